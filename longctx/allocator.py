@@ -1,0 +1,213 @@
+"""Block ids, free lists, reference counts, tiers and block tables. Pure Python: no torch.
+
+The paged cache stores KV in fixed-size blocks. This module decides *which* block ids hold
+what; `cache.py` owns the tensors those ids index. Two allocators back one table: logical
+blocks below `sink_blocks` come from the sink allocator (unquantized pages), the rest from
+the main one (quantized pages).
+
+Invariants (checked by `BlockTables.check`, property-tested in tests/test_allocator.py):
+- a block's refcount equals the number of table entries that hold it;
+- a block is free exactly when its refcount is 0, and is freed exactly once.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from .errors import CacheFullError
+
+TIERS = ("gpu", "host")
+
+
+class BlockAllocator:
+    """Hands out block ids with reference counts; every id carries a tier.
+
+    Ids are reused lowest-first so pools stay compact. `max_blocks` caps the ids in use
+    per tier (None: no cap); `allocate` is all-or-nothing.
+    """
+
+    def __init__(self, max_blocks: int | None = None, name: str = "blocks"):
+        self.max_blocks = max_blocks
+        self.name = name
+        self._refs: list[int] = []  # _refs[block id] -> number of table entries holding it
+        self._tier: list[str] = []  # _tier[block id] -> "gpu" | "host"
+        self._free: list[int] = []  # heap of free ids below capacity
+        self._used = Counter()  # tier -> ids in use
+
+    @property
+    def capacity(self) -> int:
+        """Number of ids ever created (the pool tensors need this many slots)."""
+        return len(self._refs)
+
+    def num_used(self, tier: str | None = None) -> int:
+        return sum(self._used.values()) if tier is None else self._used[tier]
+
+    def num_available(self, tier: str = "gpu") -> int | None:
+        """Ids that can still be allocated in `tier`; None when there is no cap."""
+        if self.max_blocks is None:
+            return None
+        return self.max_blocks - self._used[tier]
+
+    def allocate(self, n: int, tier: str = "gpu") -> list[int]:
+        """Return `n` ids, each with refcount 1; raises CacheFullError and changes nothing
+        if they do not all fit."""
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        available = self.num_available(tier)
+        if available is not None and n > available:
+            raise CacheFullError(
+                f"{self.name}: {n} more blocks needed but only {available} of "
+                f"max_blocks={self.max_blocks} are free in tier {tier!r}",
+            )
+        ids = []
+        for _ in range(n):
+            if self._free:
+                bid = heapq.heappop(self._free)
+            else:
+                bid = len(self._refs)
+                self._refs.append(0)
+                self._tier.append(tier)
+            self._refs[bid] = 1
+            self._tier[bid] = tier
+            ids.append(bid)
+        self._used[tier] += n
+        return ids
+
+    def incref(self, bid: int) -> None:
+        if self._refs[bid] <= 0:
+            raise RuntimeError(f"{self.name}: incref of free block {bid}")
+        self._refs[bid] += 1
+
+    def decref(self, bid: int) -> bool:
+        """Drop one reference; returns True when the block became free."""
+        if self._refs[bid] <= 0:
+            raise RuntimeError(f"{self.name}: double free of block {bid}")
+        self._refs[bid] -= 1
+        if self._refs[bid] == 0:
+            heapq.heappush(self._free, bid)
+            self._used[self._tier[bid]] -= 1
+            return True
+        return False
+
+    def refcount(self, bid: int) -> int:
+        return self._refs[bid]
+
+    def tier(self, bid: int) -> str:
+        return self._tier[bid]
+
+    def set_tier(self, bid: int, tier: str) -> None:
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        if self._refs[bid] <= 0:
+            raise RuntimeError(f"{self.name}: cannot move free block {bid}")
+        self._used[self._tier[bid]] -= 1
+        self._used[tier] += 1
+        self._tier[bid] = tier
+
+    def used_ids(self) -> list[int]:
+        return [bid for bid, r in enumerate(self._refs) if r > 0]
+
+
+class BlockTables:
+    """Per-row block tables over two allocators (sinks, then quantized blocks).
+
+    rows[r][j]: logical block j of row r -> physical id; in the sink allocator's id space
+    when j < sink_blocks, else in the main allocator's. All rows hold the same number of
+    blocks (rows of one batch share a length; padding is expressed by attention).
+    """
+
+    def __init__(self, sinks: BlockAllocator, blocks: BlockAllocator, sink_blocks: int):
+        self.sinks = sinks
+        self.blocks = blocks
+        self.sink_blocks = sink_blocks
+        self.rows: list[list[int]] = []
+
+    def allocator_for(self, logical: int) -> BlockAllocator:
+        return self.sinks if logical < self.sink_blocks else self.blocks
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_blocks(self) -> int:
+        """Logical blocks per row."""
+        return len(self.rows[0]) if self.rows else 0
+
+    def ensure_rows(self, n: int) -> None:
+        """Start `n` empty rows (only when the table is empty)."""
+        if self.rows and len(self.rows) != n:
+            raise ValueError(f"table has {len(self.rows)} rows, asked for {n}")
+        if not self.rows:
+            self.rows = [[] for _ in range(n)]
+
+    def push(self, groups: Sequence[Sequence[int]], ids: Sequence[int]) -> None:
+        """Append block ids[g] to every row in groups[g]. Each id arrives with the one
+        reference `allocate` gave it; rows beyond the first in a group add a reference."""
+        if len(groups) != len(ids):
+            raise ValueError("one id per group")
+        logical = self.num_blocks
+        alloc = self.allocator_for(logical)
+        covered = sorted(r for g in groups for r in g)
+        if covered != list(range(self.num_rows)):
+            raise ValueError(f"groups must cover each row exactly once, got {groups}")
+        for group, bid in zip(groups, ids):
+            for k, r in enumerate(group):
+                if k:
+                    alloc.incref(bid)
+                self.rows[r].append(bid)
+
+    def select(self, indices: Iterable[int]) -> None:
+        """New rows are copies of rows[indices] (reorder, fork, drop, repeat): references
+        are taken for the new table before the old one lets go, so shared blocks survive."""
+        indices = list(indices)
+        for i in indices:
+            if not 0 <= i < self.num_rows:
+                raise IndexError(f"row {i} out of range for {self.num_rows} rows")
+        new_rows = [list(self.rows[i]) for i in indices]
+        for row in new_rows:
+            for j, bid in enumerate(row):
+                self.allocator_for(j).incref(bid)
+        self._release(self.rows)
+        self.rows = new_rows
+
+    def truncate(self, n_blocks: int) -> None:
+        """Keep the first `n_blocks` logical blocks of every row."""
+        if n_blocks < 0:
+            raise ValueError(f"n_blocks must be >= 0, got {n_blocks}")
+        dropped = [row[n_blocks:] for row in self.rows]
+        for row, gone in zip(self.rows, dropped):
+            for j, bid in enumerate(gone, start=n_blocks):
+                self.allocator_for(j).decref(bid)
+            del row[n_blocks:]
+
+    def clear(self) -> None:
+        self._release(self.rows)
+        self.rows = []
+
+    def _release(self, rows: list[list[int]]) -> None:
+        for row in rows:
+            for j, bid in enumerate(row):
+                self.allocator_for(j).decref(bid)
+
+    def unique_ids(self) -> tuple[set[int], set[int]]:
+        """(sink ids, block ids) held by any row."""
+        sink_ids, block_ids = set(), set()
+        for row in self.rows:
+            sink_ids.update(row[: self.sink_blocks])
+            block_ids.update(row[self.sink_blocks :])
+        return sink_ids, block_ids
+
+    def check(self) -> None:
+        """Raise AssertionError unless every refcount equals the entries holding it."""
+        for alloc, lo, hi in ((self.sinks, 0, self.sink_blocks), (self.blocks, self.sink_blocks, None)):
+            held = Counter(bid for row in self.rows for bid in row[lo:hi])
+            for bid in range(alloc.capacity):
+                assert alloc.refcount(bid) == held.get(bid, 0), (
+                    f"{alloc.name} block {bid}: refcount {alloc.refcount(bid)} != {held.get(bid, 0)} holders"
+                )
+            assert alloc.num_used() == len(held), f"{alloc.name}: {alloc.num_used()} used != {len(held)} held"

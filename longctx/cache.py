@@ -1,0 +1,498 @@
+"""PagedKVCache: owns every KV tensor (page pools, sink pools, tails) of all layers.
+
+Block ids and tables come from allocator.py; this class moves the bytes. One block table
+serves all layers (a block id names the same token range in every layer's pool).
+
+Lifecycle of a token: `append` writes it into its layer's tail (unquantized). When the
+first layer appends the next step's tokens, every tail block that filled up during the
+previous step is sealed, for all layers at once: rows whose new block has identical bytes
+in every layer and the same prefix share one physical block (beams prefilled from one
+prompt are stored once). So a prefill chunk always attends to itself at full precision,
+and is sealed after its attention, never read back quantized by itself.
+
+Rows of one batch share a length (Hugging Face's batch model); per-row lengths are left
+padding, which attention skips. Thread-unsafe by design, like the models it serves.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .allocator import BlockAllocator, BlockTables
+from .config import KVConfig
+from .errors import CacheFullError
+from .ops.gather_dequant import gather_dequant
+from .ops.paged_attention import paged_attention
+from .ops.pages import Pages, PagedView
+from .ops.quantize_blocks import quantize_blocks
+from .quant import BlockFormat
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _storage_op(fn):
+    """Run a method that creates or writes cache tensors outside inference mode and autograd:
+    tensors born inside `torch.inference_mode()` could not be written to after it ends."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False), torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@dataclass
+class MemoryReport:
+    """What the cache holds. Bytes count stored data: sealed blocks (codes, scales, 16-bit
+    pages), sink blocks and the tail tokens held; `reserved_bytes` is what the tensors
+    occupy, growth slack and tail capacity included."""
+
+    tokens: int  # per row
+    rows: int
+    blocks: dict[str, int]  # physical blocks in use: {"sink": n, "quantized": n, "dense": n}
+    bytes_by_kind: dict[str, int]  # codes, scales, dense_pages, sinks, tails
+    bytes_by_tier: dict[str, int]  # gpu, host (the "gpu" tier is the compute device's memory)
+    total_bytes: int
+    reserved_bytes: int
+    bytes_per_token: float  # total_bytes / (rows * tokens)
+    bf16_bytes_per_token: int  # a bf16 cache of the same model: K and V, all layers
+    device: str = ""
+    format: str = ""
+    layers: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ratio_to_bf16(self) -> float:
+        return self.bytes_per_token / self.bf16_bytes_per_token if self.tokens else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["ratio_to_bf16"] = self.ratio_to_bf16
+        return d
+
+
+class PagedKVCache:
+    """Paged KV storage for `num_layers` decoder layers of `num_kv_heads` x `head_dim`.
+
+    Public tensors per layer are exposed through `view(layer)` (a `PagedView`); the pools
+    are allocated lazily from the first `append` (its dtype/device), then grow by doubling
+    up to `config.max_blocks`.
+    """
+
+    def __init__(self, config: KVConfig, num_layers: int, num_kv_heads: int, head_dim: int):
+        self.config = config.resolve(num_layers, head_dim)
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size = self.config.block_size
+        self.sink_alloc = BlockAllocator(None, "sink blocks")
+        self.block_alloc = BlockAllocator(self.config.max_blocks, "blocks")
+        self.tables = BlockTables(self.sink_alloc, self.block_alloc, self.config.sink_blocks)
+        self.tail_len = [0] * num_layers  # tail_len[layer] -> tokens in that layer's tail
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+        self.formats: list[BlockFormat] = []
+        self.pages: list[Pages] = []
+        self.sink_k = self.sink_v = None  # [L, N_sink, H_kv, P, D]
+        self.tail_k = self.tail_v = None  # [L, B, H_kv, capacity, D]
+        self._table_tensor: torch.Tensor | None = None  # int32 [B, n_blocks], rebuilt on change
+        self.seals = 0  # blocks sealed so far (physical, all rows)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def initialized(self) -> bool:
+        return self.dtype is not None
+
+    @property
+    def batch_size(self) -> int:
+        return self.tables.num_rows
+
+    @property
+    def num_blocks(self) -> int:
+        """Sealed logical blocks per row."""
+        return self.tables.num_blocks
+
+    def seq_len(self, layer: int | None = None) -> int:
+        """Tokens per row: in `layer` (which may be mid-step), or committed by all layers."""
+        tail = min(self.tail_len) if layer is None else self.tail_len[layer]
+        return self.num_blocks * self.block_size + tail
+
+    @_storage_op
+    def _init_storage(self, like: torch.Tensor, batch: int) -> None:
+        cfg = self.config
+        self.dtype = like.dtype if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        if self.dtype not in DTYPES.values():
+            raise ValueError(f"keys/values of dtype {like.dtype} cannot be cached; cast the model to bf16/fp16/fp32")
+        self.device = like.device
+        L, H, P, D = self.num_layers, self.num_kv_heads, self.block_size, self.head_dim
+        self.formats = [
+            BlockFormat(*cfg.layer_bits(l), P, cfg.group_size, D, H, self.dtype, cfg.rotate) for l in range(L)
+        ]
+        self.pages = [Pages(fmt) for fmt in self.formats]
+        for pages in self.pages:
+            for name, shape, dtype in self._pool_fields(pages.fmt, 0):
+                setattr(pages, name, torch.empty(shape, dtype=dtype, device=self.device))
+        self.sink_k = torch.empty(L, 0, H, P, D, dtype=self.dtype, device=self.device)
+        self.sink_v = torch.empty_like(self.sink_k)
+        self.tail_k = torch.zeros(L, batch, H, P, D, dtype=self.dtype, device=self.device)
+        self.tail_v = torch.zeros_like(self.tail_k)
+        self.tables.ensure_rows(batch)
+
+    @staticmethod
+    def _pool_fields(fmt: BlockFormat, n: int):
+        H, P, D, dt = fmt.num_kv_heads, fmt.block_size, fmt.head_dim, fmt.dtype
+        if fmt.k_bits == 16:
+            yield "k", (n, H, P, D), dt
+        else:
+            yield "k_codes", (n, H, P, D * fmt.k_bits // 8), torch.uint8
+            yield "k_scale", (n, H, D), dt
+            yield "k_zero", (n, H, D), dt
+        if fmt.v_bits == 16:
+            yield "v", (n, H, P, D), dt
+        else:
+            yield "v_codes", (n, H, P, D * fmt.v_bits // 8), torch.uint8
+            yield "v_scale", (n, H, P, D // fmt.group_size), dt
+            yield "v_zero", (n, H, P, D // fmt.group_size), dt
+
+    def _grow_pools(self) -> None:
+        """Make every pool at least as large as its allocator's capacity (doubling)."""
+        need = self.block_alloc.capacity
+        for pages in self.pages:
+            for name, shape, dtype in self._pool_fields(pages.fmt, 0):
+                t = getattr(pages, name)
+                if t.shape[0] < need:
+                    cap = max(need, 2 * t.shape[0], 4)
+                    if self.config.max_blocks is not None:
+                        cap = max(need, min(cap, self.config.max_blocks))
+                    grown = torch.empty((cap, *shape[1:]), dtype=dtype, device=self.device)
+                    grown[: t.shape[0]] = t
+                    setattr(pages, name, grown)
+        need = self.sink_alloc.capacity
+        if self.sink_k.shape[1] < need:
+            cap = max(need, 2 * self.sink_k.shape[1])
+            for name in ("sink_k", "sink_v"):
+                t = getattr(self, name)
+                grown = t.new_empty(t.shape[0], cap, *t.shape[2:])
+                grown[:, : t.shape[1]] = t
+                setattr(self, name, grown)
+
+    def _ensure_tail_capacity(self, n: int) -> None:
+        cap = self.tail_k.shape[3]
+        if n <= cap:
+            return
+        P = self.block_size
+        new_cap = max(-(-n // P) * P, 2 * cap)
+        for name in ("tail_k", "tail_v"):
+            t = getattr(self, name)
+            grown = t.new_zeros(*t.shape[:3], new_cap, t.shape[4])
+            grown[:, :, :, :cap] = t
+            setattr(self, name, grown)
+
+    # ------------------------------------------------------------------ append / seal
+    @_storage_op
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new tokens k, v [B, H_kv, C, D] for `layer` into its tail.
+
+        The first layer's append starts a step: full blocks left by the previous step are
+        sealed (all layers), and the room for C more tokens is checked before anything
+        changes, so a CacheFullError loses nothing.
+        """
+        B, H, C, D = k.shape
+        if k.dim() != 4 or k.shape != v.shape or H != self.num_kv_heads or D != self.head_dim:
+            raise ValueError(
+                f"append: k/v must be [B, {self.num_kv_heads}, C, {self.head_dim}], got k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"append: layer {layer} out of range for {self.num_layers} layers")
+        if not self.initialized:
+            self._init_storage(k, B)
+        elif self.batch_size == 0:
+            self.tables.ensure_rows(B)
+            self.tail_k = self.tail_k.new_zeros(self.num_layers, B, *self.tail_k.shape[2:])
+            self.tail_v = torch.zeros_like(self.tail_k)
+        if B != self.batch_size:
+            raise ValueError(f"append: batch of {B} rows, but the cache holds {self.batch_size}; reorder/select rows first")
+        if layer == 0:
+            self._begin_step(C)
+        t0 = self.tail_len[layer]
+        if layer != 0 and t0 + C > self.tail_k.shape[3]:
+            raise RuntimeError(f"append: layer {layer} got tokens before layer 0 started the step")
+        self.tail_k[layer, :, :, t0 : t0 + C] = k.to(self.dtype)
+        self.tail_v[layer, :, :, t0 : t0 + C] = v.to(self.dtype)
+        self.tail_len[layer] = t0 + C
+
+    def _begin_step(self, new_tokens: int) -> None:
+        # A forward interrupted mid-way (Ctrl-C) leaves some layers ahead: drop its tokens.
+        committed = min(self.tail_len)
+        self.tail_len = [committed] * self.num_layers
+        self._check_room(new_tokens)
+        self.seal()
+        self._ensure_tail_capacity(self.tail_len[0] + new_tokens)
+
+    def _blocks_possible(self) -> int:
+        """Most logical blocks a row can reach, if every new block were shared by all rows."""
+        avail = self.block_alloc.num_available()
+        if avail is None:
+            return 1 << 62
+        return max(self.num_blocks, self.config.sink_blocks) + avail
+
+    def tokens_that_fit(self) -> int:
+        """More tokens each row can take before the pools are full (assuming rows share
+        new blocks; without sharing, divide the spare blocks among rows)."""
+        possible = self._blocks_possible()
+        return max(0, possible * self.block_size + self.block_size - 1 - self.seq_len())
+
+    def _check_room(self, new_tokens: int) -> None:
+        needed = (self.seq_len() + new_tokens) // self.block_size
+        if needed > self._blocks_possible():
+            raise CacheFullError(
+                f"cache full: {new_tokens} new tokens need {needed} blocks per row, but max_blocks="
+                f"{self.config.max_blocks} allows {self._blocks_possible()}; {self.tokens_that_fit()} more "
+                f"tokens fit (now {self.seq_len()} per row). Nothing was lost.",
+                self.tokens_that_fit(),
+            )
+
+    def _share_groups(self, groups: list[list[int]], start: int) -> list[list[int]]:
+        """Split row groups so that rows stay together only if the block at tail offset
+        `start` has identical K and V bytes in every layer."""
+        P = self.block_size
+        out = []
+        for group in groups:
+            reps: list[list[int]] = []
+            for r in group:
+                for rep in reps:
+                    a = rep[0]
+                    if torch.equal(self.tail_k[:, r, :, start : start + P], self.tail_k[:, a, :, start : start + P]) and torch.equal(
+                        self.tail_v[:, r, :, start : start + P], self.tail_v[:, a, :, start : start + P]
+                    ):
+                        rep.append(r)
+                        break
+                else:
+                    reps.append([r])
+            out.extend(reps)
+        return out
+
+    @_storage_op
+    def seal(self) -> int:
+        """Quantize every full tail block (all layers must hold the same tokens). Returns
+        the number of logical blocks sealed per row."""
+        if not self.initialized or self.batch_size == 0:
+            return 0
+        if len(set(self.tail_len)) != 1:
+            raise RuntimeError(f"seal: layers hold different tail lengths {sorted(set(self.tail_len))}; finish the step first")
+        P, T0 = self.block_size, self.tail_len[0]
+        n = T0 // P
+        if n == 0:
+            return 0
+        nb0 = self.num_blocks
+        # 1. Decide sharing: rows with equal prefixes (same ids) and equal block bytes.
+        by_prefix: dict[tuple, list[int]] = {}
+        for r, row in enumerate(self.tables.rows):
+            by_prefix.setdefault(tuple(row), []).append(r)
+        groups = list(by_prefix.values())
+        plan = []  # per new block: list of row groups
+        for i in range(n):
+            groups = self._share_groups(groups, i * P)
+            plan.append(groups)
+        n_sink_new = sum(len(g) for j, g in enumerate(plan) if nb0 + j < self.config.sink_blocks)
+        n_quant_new = sum(len(g) for j, g in enumerate(plan) if nb0 + j >= self.config.sink_blocks)
+        avail = self.block_alloc.num_available()
+        if avail is not None and n_quant_new > avail:
+            raise CacheFullError(
+                f"cache full: sealing needs {n_quant_new} blocks, {avail} of max_blocks={self.config.max_blocks} "
+                f"are free; {max(0, avail // max(1, self.batch_size)) * P} more tokens per row fit. Nothing was lost.",
+                max(0, avail // max(1, self.batch_size)) * P,
+            )
+        # 2. Compute every layer's sealed data before changing any state (a NaN raises here).
+        rep_rows = [[g[0] for g in groups] for groups in plan]
+        sink_sel = [(j, r) for j, reps in enumerate(rep_rows) if nb0 + j < self.config.sink_blocks for r in reps]
+        quant_sel = [(j, r) for j, reps in enumerate(rep_rows) if nb0 + j >= self.config.sink_blocks for r in reps]
+        blocks_k = self.tail_k[:, :, :, : n * P].unflatten(3, (n, P))  # [L, B, H, n, P, D]
+        blocks_v = self.tail_v[:, :, :, : n * P].unflatten(3, (n, P))
+        sealed = []
+        if quant_sel:
+            js = torch.tensor([j for j, _ in quant_sel], device=self.device)
+            rs = torch.tensor([r for _, r in quant_sel], device=self.device)
+            for l, fmt in enumerate(self.formats):
+                k = blocks_k[l][rs, :, js]  # [M, H, P, D]
+                v = blocks_v[l][rs, :, js]
+                sealed.append(quantize_blocks(k, v, fmt, backend=self._kernel_backend()))
+        # 3. Commit: ids, tables, pools, tails.
+        sink_ids = self.sink_alloc.allocate(n_sink_new)
+        quant_ids = self.block_alloc.allocate(n_quant_new)
+        self._grow_pools()
+        si = qi = 0
+        for j, groups in enumerate(plan):
+            if nb0 + j < self.config.sink_blocks:
+                ids = sink_ids[si : si + len(groups)]
+                si += len(groups)
+            else:
+                ids = quant_ids[qi : qi + len(groups)]
+                qi += len(groups)
+            self.tables.push(groups, ids)
+        if sink_sel:
+            js = torch.tensor([j for j, _ in sink_sel], device=self.device)
+            rs = torch.tensor([r for _, r in sink_sel], device=self.device)
+            ids = torch.tensor(sink_ids, device=self.device)
+            # [L, B, H, n, P, D] -> [B, n, L, H, P, D] -> picked [M, L, H, P, D] -> [L, M, H, P, D]
+            self.sink_k[:, ids] = blocks_k.permute(1, 3, 0, 2, 4, 5)[rs, js].transpose(0, 1)
+            self.sink_v[:, ids] = blocks_v.permute(1, 3, 0, 2, 4, 5)[rs, js].transpose(0, 1)
+        if quant_sel:
+            ids = torch.tensor(quant_ids, device=self.device)
+            for pages, data in zip(self.pages, sealed):
+                for name, t in data.items():
+                    getattr(pages, name)[ids] = t
+        rest = T0 - n * P
+        if rest:
+            self.tail_k[:, :, :, :rest] = self.tail_k[:, :, :, n * P : T0].clone()
+            self.tail_v[:, :, :, :rest] = self.tail_v[:, :, :, n * P : T0].clone()
+        self.tail_len = [rest] * self.num_layers
+        self.seals += n_sink_new + n_quant_new
+        self._table_tensor = None
+        return n
+
+    def _kernel_backend(self) -> str:
+        return "reference" if self.config.backend == "reference" else "auto"
+
+    # ------------------------------------------------------------------ read
+    def block_table(self) -> torch.Tensor:
+        """int32 [B, n_blocks]: logical block -> physical id (sink ids for j < sink_blocks)."""
+        if self._table_tensor is None:
+            rows = self.tables.rows
+            self._table_tensor = torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(rows), self.num_blocks)
+        return self._table_tensor
+
+    def view(self, layer: int) -> PagedView:
+        t = self.tail_len[layer]
+        return PagedView(
+            pages=self.pages[layer],
+            sink_k=self.sink_k[layer],
+            sink_v=self.sink_v[layer],
+            block_table=self.block_table(),
+            n_sink=min(self.config.sink_blocks, self.num_blocks),
+            tail_k=self.tail_k[layer, :, :, :t],
+            tail_v=self.tail_v[layer, :, :, :t],
+        )
+
+    def attend(self, layer: int, q: torch.Tensor, start: torch.Tensor | None = None, scale: float | None = None, return_lse: bool = True):
+        """Attention of q [B, H_q, C, D] (the last C tokens of `layer`) over this layer's
+        pages and tail: (out [B, H_q, C, D], lse [B, H_q, C])."""
+        return paged_attention(q, self.view(layer), start=start, scale=scale, backend=self._kernel_backend(), return_lse=return_lse)
+
+    def dense(self, layer: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of `layer`'s keys and values, dequantized: [B, H_kv, seq_len(layer), D]."""
+        view = self.view(layer)
+        dtype = dtype or self.dtype
+        k, v = gather_dequant(view, backend=self._kernel_backend(), out_dtype=dtype)
+        return torch.cat([k, view.tail_k.to(dtype)], 2), torch.cat([v, view.tail_v.to(dtype)], 2)
+
+    # ------------------------------------------------------------------ rows
+    @_storage_op
+    def select_rows(self, indices) -> None:
+        """Rows become copies of rows[indices]: reorder (beams), fork, drop, repeat. Copies
+        block ids (refcounts) and the tails only, never a sealed block's bytes."""
+        if not self.initialized or self.batch_size == 0:
+            return
+        idx = torch.as_tensor(indices, dtype=torch.long).flatten()
+        if idx.numel() == self.batch_size and torch.equal(idx.cpu(), torch.arange(self.batch_size)):
+            return
+        self.tables.select(idx.tolist())
+        idx = idx.to(self.device)
+        self.tail_k = self.tail_k.index_select(1, idx)
+        self.tail_v = self.tail_v.index_select(1, idx)
+        self._table_tensor = None
+
+    def reorder(self, beam_idx) -> None:
+        self.select_rows(beam_idx)
+
+    def fork(self, row: int) -> int:
+        """Append a copy of `row` (sharing its sealed blocks); returns the new row's index."""
+        self.select_rows(list(range(self.batch_size)) + [row])
+        return self.batch_size - 1
+
+    def free(self, row: int) -> None:
+        """Drop `row`, returning blocks no other row holds."""
+        if not 0 <= row < self.batch_size:
+            raise IndexError(f"free: row {row} out of range for {self.batch_size} rows")
+        self.select_rows([r for r in range(self.batch_size) if r != row])
+
+    @_storage_op
+    def crop(self, max_len: int) -> None:
+        """Keep the first `max_len` tokens of every row. A block cut in the middle is
+        dequantized back into the tail (its kept tokens lose nothing more than they had)."""
+        if max_len < 0:
+            raise ValueError(f"crop: max_len must be >= 0, got {max_len}")
+        if not self.initialized or max_len >= self.seq_len():
+            return
+        self.tail_len = [min(self.tail_len)] * self.num_layers
+        P, nb = self.block_size, self.num_blocks
+        if max_len >= nb * P:
+            self.tail_len = [max_len - nb * P] * self.num_layers
+            return
+        keep_blocks, keep = divmod(max_len, P)
+        if keep:
+            for l in range(self.num_layers):
+                view = self.view(l)
+                view.block_table = view.block_table[:, : keep_blocks + 1]
+                view.n_sink = min(self.config.sink_blocks, keep_blocks + 1)
+                k, v = gather_dequant(view, out_dtype=self.dtype)
+                self.tail_k[l, :, :, :keep] = k[:, :, keep_blocks * P : max_len]
+                self.tail_v[l, :, :, :keep] = v[:, :, keep_blocks * P : max_len]
+        self.tables.truncate(keep_blocks)
+        self.tail_len = [keep] * self.num_layers
+        self._table_tensor = None
+
+    def reset(self) -> None:
+        """Drop every row and token; pools keep their memory for reuse."""
+        self.tables.clear()
+        self.tail_len = [0] * self.num_layers
+        self._table_tensor = None
+
+    # ------------------------------------------------------------------ report
+    @_storage_op
+    def memory_report(self) -> MemoryReport:
+        """Tokens, blocks and bytes by kind and tier (full tail blocks are sealed first)."""
+        if self.initialized and self.batch_size and len(set(self.tail_len)) == 1:
+            self.seal()
+        L, H, P, D = self.num_layers, self.num_kv_heads, self.block_size, self.head_dim
+        bf16_bpt = L * 2 * H * D * 2
+        if not self.initialized:
+            return MemoryReport(0, 0, {"sink": 0, "quantized": 0, "dense": 0}, {}, {"gpu": 0, "host": 0}, 0, 0, 0.0, bf16_bpt, layers=L, format=self.config.describe())
+        e = self.formats[0].elem_bytes
+        sink_ids, block_ids = self.tables.unique_ids()
+        kinds = {"codes": 0, "scales": 0, "dense_pages": 0, "sinks": 0, "tails": 0}
+        tiers = {"gpu": 0, "host": 0}
+        for bid in block_ids:
+            tier = self.block_alloc.tier(bid)
+            for fmt in self.formats:
+                b = fmt.block_bytes()
+                kinds["codes"] += b["codes"]
+                kinds["scales"] += b["scales"]
+                kinds["dense_pages"] += b["dense"]
+                tiers[tier] += b["codes"] + b["scales"] + b["dense"]
+        sink_bytes = len(sink_ids) * L * 2 * H * P * D * e
+        kinds["sinks"] = sink_bytes
+        tail_bytes = self.batch_size * L * 2 * H * min(self.tail_len) * D * e
+        kinds["tails"] = tail_bytes
+        tiers["gpu"] += sink_bytes + tail_bytes
+        total = sum(kinds.values())
+        reserved = sum(t.numel() * t.element_size() for p in self.pages for t in p.tensors().values())
+        reserved += sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.tail_k, self.tail_v))
+        tokens, rows = self.seq_len(), self.batch_size
+        n_dense = sum(1 for f in self.formats if f.k_bits == 16 and f.v_bits == 16)
+        return MemoryReport(
+            tokens=tokens,
+            rows=rows,
+            blocks={"sink": len(sink_ids), "quantized": len(block_ids) if n_dense < L else 0, "dense": len(block_ids) if n_dense == L else 0},
+            bytes_by_kind=kinds,
+            bytes_by_tier=tiers,
+            total_bytes=total,
+            reserved_bytes=reserved,
+            bytes_per_token=total / (tokens * rows) if tokens and rows else 0.0,
+            bf16_bytes_per_token=bf16_bpt,
+            device=str(self.device),
+            format=self.config.describe(),
+            layers=L,
+        )

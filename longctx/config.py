@@ -1,0 +1,124 @@
+"""Configuration of the KV cache: frozen dataclasses, validated when built.
+
+`KVConfig` says how keys and values are stored (bits, block size, groups, sinks, rotation,
+layers kept at 16 bits) and which attention backend reads them. Every invalid value raises
+`ValueError` naming the field, the value received and what is allowed. Checks that need the
+model's shapes (`group_size` divides `head_dim`, rotation needs a power-of-two `head_dim`,
+`layers_16bit` inside the model) run in `KVConfig.resolve`, called when a cache is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+ALLOWED_BITS = (16, 8, 4, 2)
+ALLOWED_DTYPES = ("auto", "bfloat16", "float16", "float32")
+ALLOWED_BACKENDS = ("auto", "reference")
+DEFAULT_GROUP_SIZE = 64
+
+
+def _fail(name: str, value, allowed: str) -> None:
+    raise ValueError(f"KVConfig.{name}={value!r} is not allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """How the KV cache is stored and read.
+
+    bits:        16, 8, 4 or 2 for keys and values (16 keeps them unquantized).
+    k_bits:      overrides `bits` for keys (e.g. 8 with v_bits=4: keys carry the error).
+    v_bits:      overrides `bits` for values.
+    block_size:  tokens per page, a power of two in 16..256.
+    group_size:  values are quantized per token in groups of this many channels; must
+                 divide head_dim. None means 64, or head_dim when it is smaller.
+    sink_blocks: leading blocks of each sequence kept unquantized (attention sinks).
+    rotate:      multiply K and V by a normalized Hadamard matrix before quantizing
+                 (spreads outliers; the lever at 2 bits). Needs a power-of-two head_dim.
+    layers_16bit: decoder layers whose pages stay unquantized.
+    dtype:       dtype of unquantized data (tails, sinks, 16-bit pages) and of scales;
+                 "auto" takes the model's dtype for K/V.
+    max_blocks:  cap on quantized pages per tier (None: grow as needed); reaching it
+                 raises `CacheFullError`, which says how many tokens still fit.
+    backend:     attention backend; "auto" picks the best one available.
+    """
+
+    bits: int = 4
+    k_bits: int | None = None
+    v_bits: int | None = None
+    block_size: int = 64
+    group_size: int | None = None
+    sink_blocks: int = 1
+    rotate: bool = False
+    layers_16bit: tuple[int, ...] = field(default_factory=tuple)
+    dtype: str = "auto"
+    max_blocks: int | None = None
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("bits", "k_bits", "v_bits"):
+            value = getattr(self, name)
+            if value is None and name != "bits":
+                continue
+            if isinstance(value, bool) or value not in ALLOWED_BITS:
+                _fail(name, value, f"choose one of {', '.join(map(str, ALLOWED_BITS))}")
+        bs = self.block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
+            _fail("block_size", bs, "a power of two from 16 to 256")
+        gs = self.group_size
+        if gs is not None and (isinstance(gs, bool) or not isinstance(gs, int) or gs < 1):
+            _fail("group_size", gs, "a positive integer that divides head_dim, or None")
+        sb = self.sink_blocks
+        if isinstance(sb, bool) or not isinstance(sb, int) or sb < 0:
+            _fail("sink_blocks", sb, "an integer >= 0")
+        if not isinstance(self.rotate, bool):
+            _fail("rotate", self.rotate, "True or False")
+        layers = self.layers_16bit
+        if isinstance(layers, (list, set, frozenset)):
+            object.__setattr__(self, "layers_16bit", tuple(sorted(layers)))
+            layers = self.layers_16bit
+        if not isinstance(layers, tuple) or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers
+        ):
+            _fail("layers_16bit", layers, "a sequence of layer indices >= 0")
+        if self.dtype not in ALLOWED_DTYPES:
+            _fail("dtype", self.dtype, f"one of {', '.join(ALLOWED_DTYPES)}")
+        mb = self.max_blocks
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
+            _fail("max_blocks", mb, "a positive integer, or None for no limit")
+        if self.backend not in ALLOWED_BACKENDS:
+            _fail("backend", self.backend, f"one of {', '.join(ALLOWED_BACKENDS)}")
+
+    @property
+    def key_bits(self) -> int:
+        return self.k_bits if self.k_bits is not None else self.bits
+
+    @property
+    def value_bits(self) -> int:
+        return self.v_bits if self.v_bits is not None else self.bits
+
+    def layer_bits(self, layer: int) -> tuple[int, int]:
+        """(k_bits, v_bits) used by decoder layer `layer`."""
+        if layer in self.layers_16bit:
+            return 16, 16
+        return self.key_bits, self.value_bits
+
+    def resolve(self, num_layers: int, head_dim: int) -> KVConfig:
+        """Check the fields that depend on the model and fill `group_size`."""
+        gs = self.group_size if self.group_size is not None else min(DEFAULT_GROUP_SIZE, head_dim)
+        if head_dim % gs:
+            _fail("group_size", gs, f"must divide the model's head_dim={head_dim}")
+        if self.rotate and head_dim & (head_dim - 1):
+            _fail("rotate", True, f"rotation needs a power-of-two head_dim, the model has {head_dim}")
+        bad = [i for i in self.layers_16bit if i >= num_layers]
+        if bad:
+            _fail("layers_16bit", self.layers_16bit, f"indices must be < num_layers={num_layers}")
+        return dataclasses.replace(self, group_size=gs)
+
+    def describe(self) -> str:
+        """Short human-readable name, e.g. 'int4', 'k8v4', 'int2+rot', 'bf16'."""
+        kb, vb = self.key_bits, self.value_bits
+        name = ("bf16" if kb == 16 else f"int{kb}") if kb == vb else f"k{kb}v{vb}"
+        if self.rotate:
+            name += "+rot"
+        return name

@@ -1,0 +1,190 @@
+"""Quality measurements of KV formats: perplexity under chunked feeding, and passkey retrieval.
+
+Results are dataclasses; rendering lives in cli/. A "cache spec" is what to measure:
+- a `KVConfig`: a LongCtxCache of that format;
+- None: transformers' DynamicCache (the exact baseline);
+- a callable model -> Cache: any other cache (e.g. `quanto_cache(bits=4)`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+from .config import KVConfig
+from .generate import greedy, prefill
+
+CacheSpec = KVConfig | Callable | None
+
+
+def default_text() -> str:
+    """The English text shipped with longctx (about 2,700 SmolLM2 tokens)."""
+    return resources.files("longctx.data").joinpath("english.txt").read_text(encoding="utf-8")
+
+
+def spec_name(spec: CacheSpec) -> str:
+    if spec is None:
+        return "DynamicCache"
+    if isinstance(spec, KVConfig):
+        return f"longctx {spec.describe()}"
+    return getattr(spec, "name", getattr(spec, "__name__", "custom cache"))
+
+
+def make_cache(model, spec: CacheSpec):
+    """Build the cache a spec names (see module doc)."""
+    from transformers import DynamicCache
+
+    from .integrations.transformers import LongCtxCache
+
+    if spec is None:
+        return DynamicCache(config=model.config)
+    if isinstance(spec, KVConfig):
+        return LongCtxCache(model, spec)
+    return spec(model)
+
+
+def quanto_cache(bits: int = 4):
+    """Factory of Hugging Face's QuantizedCache with the quanto backend (needs optimum-quanto)."""
+
+    def build(model):
+        from transformers import QuantizedCache
+
+        return QuantizedCache(backend="quanto", config=model.config, nbits=bits)
+
+    build.name = f"HF QuantizedCache quanto int{bits}"
+    return build
+
+
+def _release(model, cache) -> None:
+    detach = getattr(cache, "detach", None)
+    if detach is not None:
+        detach()
+
+
+@dataclass
+class PerplexityResult:
+    name: str
+    ppl: float
+    nll: float  # mean negative log-likelihood per predicted token (nats)
+    tokens: int  # tokens fed
+    chunk: int
+    seconds: float
+    bytes_per_token: float | None = None  # longctx caches only
+    ratio_to_bf16: float | None = None
+
+    def delta_pct(self, baseline: PerplexityResult) -> float:
+        return 100.0 * (self.ppl / baseline.ppl - 1.0)
+
+
+def perplexity(
+    model,
+    tokenizer,
+    text: str | None = None,
+    kv: CacheSpec = None,
+    *,
+    chunk: int = 128,
+    max_tokens: int | None = None,
+) -> PerplexityResult:
+    """Perplexity of `text` fed `chunk` tokens at a time through a cache built from `kv`.
+
+    Each chunk attends to itself exactly and to every earlier chunk through the cache, so a
+    quantized cache is read back for all but the first chunk.
+    """
+    text = default_text() if text is None else text
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    if max_tokens is not None:
+        ids = ids[:, :max_tokens]
+    if ids.shape[1] < 2:
+        raise ValueError("perplexity needs at least 2 tokens of text")
+    targets = ids[0, 1:].to(model.device)
+    nll_sum = torch.zeros((), dtype=torch.float64)
+    done = {"n": 0}
+
+    def score(end: int, logits: torch.Tensor) -> None:
+        start = done["n"]
+        # logits at positions start..end-1 predict tokens start+1..end
+        lp = torch.log_softmax(logits[0].float(), dim=-1)
+        tgt = targets[start:end]
+        lp = lp[: tgt.shape[0]]
+        nll_sum.add_(-lp.gather(1, tgt[:, None]).sum().double().cpu())
+        done["n"] = end
+
+    cache = make_cache(model, kv)
+    t0 = time.perf_counter()
+    try:
+        prefill(model, cache, ids, chunk=chunk, on_chunk=score)
+        report = cache.memory_report() if hasattr(cache, "memory_report") else None
+    finally:
+        _release(model, cache)
+    n = targets.shape[0]
+    nll = float(nll_sum) / n
+    return PerplexityResult(
+        name=spec_name(kv),
+        ppl=math.exp(nll),
+        nll=nll,
+        tokens=ids.shape[1],
+        chunk=chunk,
+        seconds=time.perf_counter() - t0,
+        bytes_per_token=report.bytes_per_token if report else None,
+        ratio_to_bf16=report.ratio_to_bf16 if report else None,
+    )
+
+
+# ---------------------------------------------------------------------- passkey
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+@dataclass
+class PasskeyResult:
+    name: str
+    depth: float  # where the key sits, as a fraction of the filler
+    key: str
+    answer: str
+    found: bool
+    prompt_tokens: int
+
+
+def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: str) -> torch.Tensor:
+    """Plain-text prompt of about `n_tokens` tokens: filler with the key hidden at `depth`,
+    ending in "The pass key is" (a completion, which small base-like models follow best)."""
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    frame = "There is important information hidden in a lot of irrelevant text. Find it and memorize it.\n\n"
+    question = "\nWhat is the pass key? The pass key is"
+    filler_len = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
+    overhead = len(tokenizer(frame + needle + question, add_special_tokens=False).input_ids)
+    reps = max(1, (n_tokens - overhead) // filler_len)
+    cut = int(round(reps * depth))
+    prompt = frame + FILLER * cut + needle + FILLER * (reps - cut) + question
+    return tokenizer(prompt, return_tensors="pt").input_ids
+
+
+def passkey(
+    model,
+    tokenizer,
+    kv: CacheSpec = None,
+    *,
+    depths=(0.1, 0.3, 0.5, 0.7, 0.9),
+    n_tokens: int = 3600,
+    seed: int = 0,
+    chunk: int = 512,
+) -> list[PasskeyResult]:
+    """Hide a 5-digit key at each depth of ~n_tokens of filler; greedy-decode the answer."""
+    rng = random.Random(seed)
+    results = []
+    for depth in depths:
+        key = str(rng.randint(10000, 99999))
+        ids = passkey_prompt(tokenizer, n_tokens, depth, key)
+        cache = make_cache(model, kv)
+        try:
+            out, _ = greedy(model, cache, ids, max_new_tokens=8, chunk=chunk)
+        finally:
+            _release(model, cache)
+        answer = tokenizer.decode(out, skip_special_tokens=True)
+        results.append(PasskeyResult(spec_name(kv), depth, key, answer.strip(), key in answer, ids.shape[1]))
+    return results

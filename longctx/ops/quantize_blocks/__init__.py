@@ -1,0 +1,3 @@
+from .api import quantize_blocks
+
+__all__ = ["quantize_blocks"]

@@ -1,0 +1,187 @@
+"""The quantized block format, as a torch reference: pack/unpack, quantize/dequantize.
+
+Every backend shares this contract (../shared/DESIGN.md, "The quantized block format"):
+
+- K, per channel within a block: for each block, KV head and channel, one scale and one
+  zero-point over the block's `P` tokens. Scores fold them into the query:
+  q.k = (q*s).k_int + q.z.
+- V, per token in groups of `group_size` channels: one scale and zero-point per token and group.
+- Codes are unsigned and asymmetric (min/max), packed little-end-first along head_dim:
+  int8 one per byte, int4 two per byte (low nibble first), int2 four per byte.
+- Scales and zero-points are stored in the cache's dtype (the model's K/V dtype unless the
+  config says otherwise). The zero-point is rounded *down* and the scale *up* to that dtype
+  before the codes are computed against them, so the stored range always covers the block
+  and every value reconstructs within half a (stored) step. A constant range gives scale 0
+  and exact reconstruction; NaN/Inf input raises instead of poisoning a block.
+- Optional rotation: x @ H with H the normalized Hadamard matrix (H @ H = I), applied by the
+  cache before quantizing and undone after dequantizing (or folded into the query).
+
+Shapes: K block data [..., P, D] -> codes [..., P, D*bits/8] uint8, scale/zero [..., D];
+V block data [..., P, D] -> codes [..., P, D*bits/8] uint8, scale/zero [..., P, D/group].
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+CODES_PER_BYTE = {8: 1, 4: 2, 2: 4}
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """Storage format of one layer's pages."""
+
+    k_bits: int
+    v_bits: int
+    block_size: int
+    group_size: int
+    head_dim: int
+    num_kv_heads: int
+    dtype: torch.dtype  # unquantized data and scales
+    rotate: bool = False
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def code_bytes_per_token(self) -> int:
+        """Packed code bytes per token per KV head, K and V together (0 for 16-bit)."""
+        k = 0 if self.k_bits == 16 else self.head_dim * self.k_bits // 8
+        v = 0 if self.v_bits == 16 else self.head_dim * self.v_bits // 8
+        return k + v
+
+    def block_bytes(self) -> dict[str, int]:
+        """Bytes of one block over all KV heads, split into codes, scales and dense data."""
+        P, D, H, e = self.block_size, self.head_dim, self.num_kv_heads, self.elem_bytes
+        out = {"codes": 0, "scales": 0, "dense": 0}
+        if self.k_bits == 16:
+            out["dense"] += H * P * D * e
+        else:
+            out["codes"] += H * P * D * self.k_bits // 8
+            out["scales"] += H * 2 * D * e
+        if self.v_bits == 16:
+            out["dense"] += H * P * D * e
+        else:
+            out["codes"] += H * P * D * self.v_bits // 8
+            out["scales"] += H * P * 2 * (D // self.group_size) * e
+        return out
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard_cpu(d: int) -> torch.Tensor:
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two size, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(d)
+
+
+def hadamard(d: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Normalized Sylvester Hadamard matrix [d, d]: symmetric, H @ H = I."""
+    return _hadamard_cpu(d).to(dtype=dtype, device=device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x @ H along the last dim, computed in fp32 and returned in x's dtype. Self-inverse."""
+    h = hadamard(x.shape[-1], torch.float32, x.device)
+    return (x.float() @ h).to(x.dtype)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., D] (each < 2**bits) -> packed uint8 [..., D*bits/8]."""
+    per = CODES_PER_BYTE[bits]
+    if per == 1:
+        return codes.to(torch.uint8)
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    out = torch.zeros(c.shape[:-1], dtype=torch.uint8, device=codes.device)
+    for i in range(per):
+        out |= c[..., i] << (bits * i)
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """packed uint8 [..., D*bits/8] -> uint8 codes [..., D]."""
+    per = CODES_PER_BYTE[bits]
+    if per == 1:
+        return packed
+    mask = (1 << bits) - 1
+    parts = [(packed >> (bits * i)) & mask for i in range(per)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def _check_finite(x: torch.Tensor, what: str) -> None:
+    if not torch.isfinite(x).all():
+        bad = (~torch.isfinite(x)).sum().item()
+        raise ValueError(
+            f"cannot quantize {what}: {bad} value(s) are NaN or Inf (shape {tuple(x.shape)}); "
+            "the model produced non-finite keys/values, nothing was sealed"
+        )
+
+
+def _round_down(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    r = v.to(dtype)
+    too_big = r.double() > v
+    return torch.where(too_big, torch.nextafter(r, torch.full_like(r, -math.inf)), r)
+
+
+def _round_up(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    r = v.to(dtype)
+    too_small = r.double() < v
+    return torch.where(too_small, torch.nextafter(r, torch.full_like(r, math.inf)), r)
+
+
+def _affine_quantize(x: torch.Tensor, dim: int, bits: int, dtype: torch.dtype, what: str):
+    """Codes (uint8, unpacked), scale and zero-point (dtype) over `dim` (kept as size 1)."""
+    _check_finite(x, what)
+    qmax = (1 << bits) - 1
+    xd = x.double()
+    lo = xd.amin(dim, keepdim=True)
+    hi = xd.amax(dim, keepdim=True)
+    zero = _round_down(lo, dtype)
+    scale = _round_up((hi - zero.double()) / qmax, dtype)
+    # Rounding of (hi - zero)/qmax itself can leave the range a hair short: bump once more.
+    short = zero.double() + scale.double() * qmax < hi
+    scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+    if not (torch.isfinite(zero).all() and torch.isfinite(scale).all()):
+        raise ValueError(
+            f"cannot quantize {what}: its range [{lo.min().item():.4g}, {hi.max().item():.4g}] "
+            f"does not fit {dtype} scales; use KVConfig(dtype='bfloat16') or 'float32'"
+        )
+    s = scale.double()
+    q = torch.where(s > 0, (xd - zero.double()) / torch.where(s > 0, s, 1.0), 0.0)
+    codes = q.round().clamp_(0, qmax).to(torch.uint8)
+    return codes, scale, zero
+
+
+def quantize_k(k: torch.Tensor, bits: int, dtype: torch.dtype):
+    """K block [..., P, D] -> (packed codes [..., P, D*bits/8], scale [..., D], zero [..., D])."""
+    codes, scale, zero = _affine_quantize(k, -2, bits, dtype, "keys")
+    return pack_codes(codes, bits), scale.squeeze(-2), zero.squeeze(-2)
+
+
+def dequantize_k(packed, scale, zero, bits: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of quantize_k: [..., P, D] in out_dtype."""
+    codes = unpack_codes(packed, bits).float()
+    return (codes * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)).to(out_dtype)
+
+
+def quantize_v(v: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype):
+    """V block [..., P, D] -> (packed codes [..., P, D*bits/8], scale/zero [..., P, D/group])."""
+    *lead, D = v.shape
+    g = v.reshape(*lead, D // group_size, group_size)
+    codes, scale, zero = _affine_quantize(g, -1, bits, dtype, "values")
+    return pack_codes(codes.reshape(*lead, D), bits), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def dequantize_v(packed, scale, zero, bits: int, group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of quantize_v: [..., P, D] in out_dtype."""
+    codes = unpack_codes(packed, bits).float()
+    *lead, D = codes.shape
+    g = codes.reshape(*lead, D // group_size, group_size)
+    x = g * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return x.reshape(*lead, D).to(out_dtype)
