@@ -31,7 +31,7 @@ class KVConfig:
     v_bits:      overrides `bits` for values.
     block_size:  tokens per page, a power of two in 16..256.
     group_size:  values are quantized per token in groups of this many channels; must
-                 divide head_dim. None means 64, or head_dim when it is smaller.
+                 divide head_dim. None: the largest divisor of head_dim up to 64.
     sink_blocks: leading blocks of each sequence kept unquantized (attention sinks).
     rotate:      multiply K and V by a normalized Hadamard matrix before quantizing
                  (spreads outliers; the lever at 2 bits). Needs a power-of-two head_dim.
@@ -105,7 +105,9 @@ class KVConfig:
 
     def resolve(self, num_layers: int, head_dim: int) -> KVConfig:
         """Check the fields that depend on the model and fill `group_size`."""
-        gs = self.group_size if self.group_size is not None else min(DEFAULT_GROUP_SIZE, head_dim)
+        gs = self.group_size
+        if gs is None:  # the largest divisor of head_dim up to 64 (head_dim 96 -> 48)
+            gs = max(d for d in range(1, min(DEFAULT_GROUP_SIZE, head_dim) + 1) if head_dim % d == 0)
         if head_dim % gs:
             _fail("group_size", gs, f"must divide the model's head_dim={head_dim}")
         if self.rotate and head_dim & (head_dim - 1):

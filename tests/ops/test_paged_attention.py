@@ -1,0 +1,141 @@
+"""Paged attention (reference backend) against an fp64 oracle over a named shape grid.
+
+The oracle reads keys/values that `longctx.testing.expected_dense` rebuilds block by block
+from quant.py, so these tests check paging, sinks, tails, causal offsets, GQA and left
+padding independently of the cache's tables and the op's gather.
+"""
+
+import pytest
+import torch
+
+from longctx import KVConfig
+from longctx.cache import PagedKVCache
+from longctx.errors import BackendUnavailableError
+from longctx.ops.gather_dequant import gather_dequant
+from longctx.ops.paged_attention import dense_attention, paged_attention
+from longctx.testing import assert_close_fp64, attention_fp64, expected_dense, random_kv
+
+# (B, T, C, Hq, Hkv, D, block, cfg kwargs, left padding)
+CASES = [
+    (1, 1, 1, 4, 4, 64, 16, dict(bits=4), False),
+    (2, 63, 1, 9, 3, 64, 16, dict(bits=4), True),
+    (2, 64, 1, 8, 2, 64, 16, dict(bits=8), False),
+    (1, 1000, 1, 8, 1, 128, 64, dict(bits=4), False),
+    (2, 1000, 16, 8, 2, 64, 64, dict(bits=4), True),
+    (2, 300, 7, 4, 4, 64, 16, dict(bits=2, rotate=True), True),
+    (1, 640, 1, 3, 1, 128, 256, dict(bits=4), False),
+    (2, 200, 3, 4, 1, 64, 16, dict(bits=4, k_bits=8), True),
+    (1, 130, 1, 8, 2, 128, 16, dict(bits=16), True),
+    (2, 97, 5, 6, 2, 64, 32, dict(bits=4, rotate=True), False),
+    (1, 257, 1, 4, 2, 64, 16, dict(bits=8, sink_blocks=0), False),
+    (1, 520, 64, 8, 8, 64, 256, dict(bits=2, rotate=True), False),
+    (2, 80, 80, 4, 2, 64, 16, dict(bits=4), True),  # the whole sequence is one chunk
+]
+
+
+def case_id(c):
+    B, T, C, Hq, Hkv, D, P, kw, pad = c
+    name = KVConfig(**kw).describe() + ("" if kw.get("sink_blocks", 1) else "-nosink")
+    return f"B{B}-T{T}-C{C}-H{Hq}/{Hkv}-D{D}-P{P}-{name}" + ("-pad" if pad else "")
+
+
+def fill(cfg, B, T, C, Hkv, D, dtype=torch.float32, chunk=37, seed=0):
+    """A one-layer cache holding T tokens, appended in uneven chunks, the last C on their own."""
+    k, v = random_kv(B, Hkv, T, D, dtype=dtype, seed=seed)
+    cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=Hkv, head_dim=D)
+    t = 0
+    while t < T - C:
+        n = min(chunk, T - C - t)
+        cache.append(0, k[:, :, t : t + n], v[:, :, t : t + n])
+        t += n
+    cache.append(0, k[:, :, T - C :], v[:, :, T - C :])
+    return cache, k, v
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_paged_attention_matches_fp64(case):
+    B, T, C, Hq, Hkv, D, P, kw, pad = case
+    cfg = KVConfig(block_size=P, **kw)
+    cache, k, v = fill(cfg, B, T, C, Hkv, D)
+    assert cache.seq_len() == T and cache.view(0).tail_k.shape[2] >= C
+    q = torch.randn(B, Hq, C, D, generator=torch.Generator().manual_seed(7))
+    start = torch.tensor([min(5 * b + 3 * pad * b, T - 1) if pad else 0 for b in range(B)], dtype=torch.int32) if pad else None
+    out, lse = paged_attention(q, cache.view(0), start=start)
+    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T - C)
+    ref_out, ref_lse = attention_fp64(q, k_exp, v_exp, start)
+    assert_close_fp64(out, ref_out, atol=2e-5, rtol=1e-4, what="out")
+    assert_close_fp64(lse, ref_lse, atol=2e-5, rtol=1e-5, what="lse")
+    out2, none = paged_attention(q, cache.view(0), start=start, return_lse=False)
+    assert none is None and torch.allclose(out2, out, atol=1e-5)
+
+
+def test_fp16_pages():
+    cfg = KVConfig(bits=4, block_size=16)
+    cache, k, v = fill(cfg, 2, 100, 1, 2, 64, dtype=torch.float16)
+    q = torch.randn(2, 4, 1, 64).half()
+    out, lse = paged_attention(q, cache.view(0))
+    assert out.dtype == torch.float16
+    ref_out, ref_lse = attention_fp64(q, *expected_dense(k, v, cfg, sealed_tokens=99))
+    assert_close_fp64(out, ref_out, atol=2e-3, rtol=2e-3, what="fp16 out")
+
+
+def test_quantization_error_shrinks_with_bits():
+    """Against exact attention on the original K/V: int8 beats int4 beats int2."""
+    errs = {}
+    for bits in (8, 4, 2):
+        cfg = KVConfig(bits=bits, block_size=16, rotate=bits == 2)
+        cache, k, v = fill(cfg, 1, 512, 1, 2, 64, seed=1)
+        q = torch.randn(1, 8, 1, 64, generator=torch.Generator().manual_seed(3))
+        out, _ = paged_attention(q, cache.view(0))
+        exact, _ = attention_fp64(q, k, v)
+        errs[bits] = (out.double() - exact).abs().max().item()
+    assert errs[8] < errs[4] < errs[2], errs
+    assert errs[8] < 0.01, errs
+
+
+def test_padding_query_gets_zero_output_and_neg_inf_lse():
+    cfg = KVConfig(bits=4, block_size=16)
+    cache, k, v = fill(cfg, 2, 20, 4, 1, 64)
+    q = torch.randn(2, 2, 4, 64)
+    start = torch.tensor([0, 18], dtype=torch.int32)  # row 1: queries at 16, 17 see nothing
+    out, lse = paged_attention(q, cache.view(0), start=start)
+    assert torch.isfinite(out).all()
+    assert (out[1, :, :2] == 0).all() and torch.isneginf(lse[1, :, :2]).all()
+    assert torch.isfinite(lse[1, :, 2:]).all()
+
+
+def test_dense_attention_same_contract():
+    k, v = random_kv(2, 2, 50, 64, seed=4)
+    q = torch.randn(2, 6, 3, 64)
+    start = torch.tensor([0, 9])
+    out, lse = dense_attention(q, k, v, start)
+    ref_out, ref_lse = attention_fp64(q, k, v, start)
+    assert_close_fp64(out, ref_out, atol=2e-5, rtol=1e-4, what="out")
+    assert_close_fp64(lse, ref_lse, atol=2e-5, rtol=1e-5, what="lse")
+
+
+def test_gather_dequant_is_the_expected_dense_past():
+    cfg = KVConfig(bits=4, block_size=16, rotate=True)
+    cache, k, v = fill(cfg, 2, 90, 1, 2, 64)
+    cache.seal()
+    view = cache.view(0)
+    gk, gv = gather_dequant(view)
+    k_exp, v_exp = expected_dense(k, v, cfg)
+    n = view.past_len
+    assert gk.shape == (2, 2, n, 64)
+    assert torch.equal(gk, k_exp[:, :, :n]) and torch.equal(gv, v_exp[:, :, :n])
+
+
+def test_validation_quotes_shapes():
+    cfg = KVConfig(bits=4, block_size=16)
+    cache, _, _ = fill(cfg, 2, 40, 1, 2, 64)
+    with pytest.raises(ValueError, match=r"q must be \[B, H_q, C, D\], got \(2, 4, 64\)"):
+        paged_attention(torch.randn(2, 4, 64), cache.view(0))
+    with pytest.raises(ValueError, match="H_q=3 is not a multiple of H_kv=2"):
+        paged_attention(torch.randn(2, 3, 1, 64), cache.view(0))
+    with pytest.raises(ValueError, match="does not match q"):
+        paged_attention(torch.randn(2, 4, 1, 32), cache.view(0))
+    with pytest.raises(ValueError, match=r"start must be an int32/int64 tensor \[B=2\]"):
+        paged_attention(torch.randn(2, 4, 1, 64), cache.view(0), start=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(BackendUnavailableError, match="no backend 'nope'"):
+        paged_attention(torch.randn(2, 4, 1, 64), cache.view(0), backend="nope")

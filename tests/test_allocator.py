@@ -1,0 +1,114 @@
+"""Allocator and block tables: unit tests and a hypothesis state machine."""
+
+import sys
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from longctx.allocator import BlockAllocator, BlockTables
+from longctx.errors import CacheFullError
+
+
+def test_allocator_imports_no_torch():
+    import subprocess
+
+    code = "import sys, longctx.allocator; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_allocate_reuse_lowest_first_and_double_free():
+    a = BlockAllocator(max_blocks=3)
+    assert a.allocate(3) == [0, 1, 2]
+    with pytest.raises(CacheFullError):
+        a.allocate(1)
+    assert a.decref(1) is True
+    assert a.allocate(1) == [1]
+    a.decref(1)
+    with pytest.raises(RuntimeError, match="double free"):
+        a.decref(1)
+    with pytest.raises(RuntimeError, match="incref of free"):
+        a.incref(1)
+
+
+def test_allocate_is_all_or_nothing():
+    a = BlockAllocator(max_blocks=4)
+    a.allocate(3)
+    with pytest.raises(CacheFullError, match="2 more blocks needed but only 1"):
+        a.allocate(2)
+    assert a.num_used() == 3
+
+
+def test_tiers_are_counted():
+    a = BlockAllocator(max_blocks=2)
+    (b,) = a.allocate(1)
+    assert a.tier(b) == "gpu"
+    a.set_tier(b, "host")
+    assert a.num_used("host") == 1 and a.num_used("gpu") == 0
+    assert a.allocate(2, tier="gpu") == [1, 2]  # the cap is per tier
+    with pytest.raises(ValueError):
+        a.allocate(1, tier="disk")
+
+
+class TablesMachine(RuleBasedStateMachine):
+    """Random append/fork/reorder/crop/free/clear on block tables; the refcount of every
+    block must equal the entries holding it, and nothing may leak or be freed twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.sinks = BlockAllocator(None, "sinks")
+        self.blocks = BlockAllocator(None, "blocks")
+        self.t = BlockTables(self.sinks, self.blocks, sink_blocks=1)
+        self.t.ensure_rows(2)
+
+    @rule(data=st.data())
+    def append(self, data):
+        n = self.t.num_rows
+        if n == 0:
+            return
+        # random partition of rows into sharing groups
+        labels = data.draw(st.lists(st.integers(0, n - 1), min_size=n, max_size=n))
+        groups = {}
+        for r, lab in enumerate(labels):
+            groups.setdefault(lab, []).append(r)
+        groups = list(groups.values())
+        alloc = self.t.allocator_for(self.t.num_blocks)
+        self.t.push(groups, alloc.allocate(len(groups)))
+
+    @precondition(lambda self: self.t.num_rows > 0)
+    @rule(data=st.data())
+    def reorder(self, data):
+        n = self.t.num_rows
+        idx = data.draw(st.lists(st.integers(0, n - 1), min_size=n, max_size=n))
+        self.t.select(idx)
+
+    @precondition(lambda self: 0 < self.t.num_rows < 6)
+    @rule(data=st.data())
+    def fork(self, data):
+        row = data.draw(st.integers(0, self.t.num_rows - 1))
+        self.t.select(list(range(self.t.num_rows)) + [row])
+
+    @precondition(lambda self: self.t.num_rows > 1)
+    @rule(data=st.data())
+    def free(self, data):
+        row = data.draw(st.integers(0, self.t.num_rows - 1))
+        self.t.select([r for r in range(self.t.num_rows) if r != row])
+
+    @rule(data=st.data())
+    def crop(self, data):
+        self.t.truncate(data.draw(st.integers(0, self.t.num_blocks)))
+
+    @rule()
+    def clear_and_restart(self):
+        self.t.clear()
+        assert self.sinks.num_used() == 0 and self.blocks.num_used() == 0, "leak after clear"
+        self.t.ensure_rows(2)
+
+    @invariant()
+    def refcounts_match_holders(self):
+        self.t.check()
+
+
+TestTables = TablesMachine.TestCase
+TestTables.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -1,0 +1,257 @@
+"""PagedKVCache: sealing, sharing, row operations, limits, errors and memory accounting."""
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from longctx import CacheFullError, KVConfig
+from longctx.cache import PagedKVCache
+from longctx.testing import expected_dense, random_kv
+
+
+def make(cfg=None, layers=2, heads=2, dim=64):
+    return PagedKVCache(cfg or KVConfig(bits=4, block_size=16), num_layers=layers, num_kv_heads=heads, head_dim=dim)
+
+
+def step(cache, k, v):
+    """Append one step's tokens to every layer, as a model forward does."""
+    for layer in range(cache.num_layers):
+        cache.append(layer, k, v)
+
+
+def test_chunk_is_sealed_at_the_next_step_not_before():
+    cache = make()
+    k, v = random_kv(1, 2, 40, 64)
+    step(cache, k, v)
+    assert cache.num_blocks == 0 and cache.view(0).tail_k.shape[2] == 40  # attends to itself exactly
+    k2, v2 = random_kv(1, 2, 1, 64, seed=1)
+    step(cache, k2, v2)
+    assert cache.num_blocks == 2 and cache.tail_len == [9, 9] and cache.seq_len() == 41
+    exp_k, exp_v = expected_dense(torch.cat([k, k2], 2), torch.cat([v, v2], 2), cache.config, sealed_tokens=40)
+    dk, dv = cache.dense(1)
+    assert torch.equal(dk, exp_k) and torch.equal(dv, exp_v)
+
+
+def test_identical_rows_share_blocks_and_different_rows_do_not():
+    cache = make()
+    k, v = random_kv(1, 2, 48, 64)
+    k2, v2 = random_kv(1, 2, 48, 64, seed=5)
+    kb = torch.cat([k, k, k2, k], 0)
+    vb = torch.cat([v, v, v2, v], 0)
+    step(cache, kb, vb)
+    step(cache, kb[:, :, :1], vb[:, :, :1])
+    rows = cache.tables.rows
+    assert rows[0] == rows[1] == rows[3] and rows[2] != rows[0]
+    report = cache.memory_report()
+    assert report.blocks == {"sink": 2, "quantized": 4, "dense": 0}
+    cache.tables.check()
+
+
+def test_rows_share_only_if_every_layer_matches():
+    cache = make()
+    k, v = random_kv(2, 2, 32, 64)
+    same = torch.cat([k[:1], k[:1]], 0)
+    vsame = torch.cat([v[:1], v[:1]], 0)
+    cache.append(0, same, vsame)
+    cache.append(1, k, v)  # layer 1 differs between the rows
+    step(cache, same[:, :, :1], vsame[:, :, :1])
+    assert cache.tables.rows[0] != cache.tables.rows[1]
+
+
+def test_reorder_copies_tails_only_and_keeps_sealed_bytes():
+    cache = make()
+    k, v = random_kv(3, 2, 70, 64)
+    step(cache, k, v)
+    step(cache, k[:, :, :1], v[:, :, :1])
+    before = {(l, name): (t.data_ptr(), t.clone()) for l, p in enumerate(cache.pages) for name, t in p.tensors().items()}
+    seals = cache.seals
+    dense_before = [cache.dense(0)[0][r].clone() for r in range(3)]
+    cache.reorder(torch.tensor([2, 2, 0]))
+    for l, p in enumerate(cache.pages):
+        for name, t in p.tensors().items():
+            ptr, data = before[(l, name)]
+            assert t.data_ptr() == ptr and torch.equal(t, data), f"layer {l} {name} moved"
+    assert cache.seals == seals
+    after = cache.dense(0)[0]
+    assert torch.equal(after[0], dense_before[2]) and torch.equal(after[1], dense_before[2]) and torch.equal(after[2], dense_before[0])
+    cache.tables.check()
+
+
+def test_fork_and_free():
+    cache = make()
+    k, v = random_kv(2, 2, 40, 64)
+    step(cache, k, v)
+    step(cache, k[:, :, :1], v[:, :, :1])
+    new = cache.fork(1)
+    assert new == 2 and cache.tables.rows[2] == cache.tables.rows[1]
+    assert torch.equal(cache.dense(0)[0][2], cache.dense(0)[0][1])
+    used = cache.block_alloc.num_used()
+    cache.free(1)
+    assert cache.block_alloc.num_used() == used  # row 2 still holds them
+    cache.free(1)
+    assert cache.block_alloc.num_used() < used
+    cache.tables.check()
+    with pytest.raises(IndexError):
+        cache.free(5)
+
+
+@pytest.mark.parametrize("cut", [0, 10, 16, 37, 40])
+def test_crop(cut):
+    cfg = KVConfig(bits=16, block_size=16)
+    cache = make(cfg)
+    k, v = random_kv(2, 2, 40, 64)
+    step(cache, k, v)
+    step(cache, k[:, :, :2], v[:, :, :2])
+    cache.crop(cut)
+    assert cache.seq_len() == cut
+    dk, dv = cache.dense(1)
+    assert torch.equal(dk, k[:, :, :cut]) and torch.equal(dv, v[:, :, :cut])
+    cache.tables.check()
+    step(cache, k[:, :, :5], v[:, :, :5])  # and it keeps working
+    assert cache.seq_len() == cut + 5
+
+
+def test_cache_full_loses_nothing():
+    cfg = KVConfig(bits=4, block_size=16, max_blocks=3)
+    cache = make(cfg)
+    k, v = random_kv(1, 2, 60, 64)
+    step(cache, k, v)  # 60 tokens: 1 sink + 2 quantized blocks, 12 in the tail
+    before = [t.clone() for t in cache.dense(0)]
+    with pytest.raises(CacheFullError) as err:
+        step(cache, k[:, :, :40], v[:, :, :40])
+    assert "more tokens fit" in str(err.value) and "Nothing was lost" in str(err.value)
+    assert err.value.tokens_that_fit == cache.tokens_that_fit() > 0
+    assert cache.seq_len() == 60
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.dense(0)))
+    fit = err.value.tokens_that_fit
+    step(cache, k[:, :, :fit], v[:, :, :fit])  # what it said fits does fit
+    assert cache.seq_len() == 60 + fit
+
+
+def test_nan_raises_and_seals_nothing():
+    cache = make()
+    k, v = random_kv(1, 2, 40, 64)
+    k[0, 1, 20, 7] = float("nan")  # in block 1: the first quantized block
+    step(cache, k, v)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        step(cache, k[:, :, :1], v[:, :, :1])
+    assert cache.num_blocks == 0 and cache.block_alloc.num_used() == 0 and cache.sink_alloc.num_used() == 0
+
+
+def test_interrupted_step_is_rolled_back():
+    cache = make(layers=3)
+    k, v = random_kv(1, 2, 10, 64)
+    step(cache, k, v)
+    cache.append(0, k[:, :, :4], v[:, :, :4])  # forward interrupted after layer 0
+    assert cache.seq_len() == 10
+    step(cache, k[:, :, :1], v[:, :, :1])
+    assert cache.tail_len == [11, 11, 11]
+
+
+def test_batch_mismatch_and_bad_shapes():
+    cache = make()
+    step(cache, *random_kv(2, 2, 5, 64))
+    with pytest.raises(ValueError, match="batch of 3 rows, but the cache holds 2"):
+        cache.append(0, *random_kv(3, 2, 1, 64))
+    with pytest.raises(ValueError, match=r"k/v must be \[B, 2, C, 64\]"):
+        cache.append(0, *random_kv(2, 3, 1, 64))
+
+
+@pytest.mark.parametrize("bits, bound", [(8, 0.56), (4, 0.30), (2, 0.17)])
+def test_bytes_per_token_at_4096_tokens(bits, bound):
+    """SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64), bf16 keys/values."""
+    cache = PagedKVCache(KVConfig(bits=bits, rotate=bits == 2), num_layers=30, num_kv_heads=3, head_dim=64)
+    for c0 in range(0, 4096, 1024):
+        k, v = random_kv(1, 3, 1024, 64, dtype=torch.bfloat16, seed=c0)
+        step(cache, k, v)
+    r = cache.memory_report()
+    assert r.tokens == 4096 and r.rows == 1
+    assert r.bf16_bytes_per_token == 30 * 2 * 3 * 64 * 2
+    assert r.total_bytes == sum(r.bytes_by_kind.values()) == sum(r.bytes_by_tier.values())
+    assert r.bytes_by_kind["sinks"] == 30 * 2 * 3 * 64 * 64 * 2  # one bf16 sink block
+    assert r.ratio_to_bf16 <= bound, r.as_dict()
+    assert r.reserved_bytes >= r.total_bytes
+
+
+def test_reset_frees_everything():
+    cache = make()
+    step(cache, *random_kv(2, 2, 50, 64))
+    step(cache, *random_kv(2, 2, 1, 64))
+    cache.reset()
+    assert cache.seq_len() == 0 and cache.block_alloc.num_used() == 0 and cache.sink_alloc.num_used() == 0
+    step(cache, *random_kv(3, 2, 20, 64))  # a new batch size after reset
+    assert cache.batch_size == 3
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random append/fork/reorder/crop/free on an exact (16-bit) cache, checked against a
+    shadow copy of every row's tokens and against the allocator's refcounts."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = PagedKVCache(KVConfig(bits=16, block_size=16, sink_blocks=1), num_layers=2, num_kv_heads=1, head_dim=16)
+        self.rows = None  # shadow: list of [T, 16] keys per row (values = -keys)
+        self.counter = 0
+
+    def _tokens(self, n):
+        self.counter += 1
+        return torch.randint(-50, 50, (n, 16), generator=torch.Generator().manual_seed(self.counter)).float()
+
+    @rule(n=st.integers(1, 40), same=st.booleans())
+    def append(self, n, same):
+        b = 2 if self.rows is None else len(self.rows)
+        if self.rows is None:
+            self.rows = [torch.zeros(0, 16) for _ in range(b)]
+        new = [self._tokens(n)] * b if same else [self._tokens(n) for _ in range(b)]
+        k = torch.stack(new)[:, None]
+        for layer in range(2):
+            self.cache.append(layer, k, -k)
+        self.rows = [torch.cat([r, t]) for r, t in zip(self.rows, new)]
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data())
+    def reorder(self, data):
+        n = len(self.rows)
+        idx = data.draw(st.lists(st.integers(0, n - 1), min_size=n, max_size=n))
+        self.cache.reorder(torch.tensor(idx))
+        self.rows = [self.rows[i] for i in idx]
+
+    @precondition(lambda self: self.rows and len(self.rows) < 5)
+    @rule(data=st.data())
+    def fork(self, data):
+        r = data.draw(st.integers(0, len(self.rows) - 1))
+        self.cache.fork(r)
+        self.rows.append(self.rows[r])
+
+    @precondition(lambda self: self.rows and len(self.rows) > 1)
+    @rule(data=st.data())
+    def free(self, data):
+        r = data.draw(st.integers(0, len(self.rows) - 1))
+        self.cache.free(r)
+        del self.rows[r]
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data())
+    def crop(self, data):
+        n = data.draw(st.integers(0, self.rows[0].shape[0]))
+        self.cache.crop(n)
+        self.rows = [r[:n] for r in self.rows]
+
+    @invariant()
+    def contents_and_refcounts(self):
+        self.cache.tables.check()
+        if not self.rows:
+            return
+        expect = torch.stack(self.rows)[:, None]
+        for layer in range(2):
+            k, v = self.cache.dense(layer)
+            assert torch.equal(k, expect) and torch.equal(v, -expect)
+        sink_ids, block_ids = self.cache.tables.unique_ids()
+        assert self.cache.block_alloc.num_used() == len(block_ids), "leaked blocks"
+        assert self.cache.sink_alloc.num_used() == len(sink_ids), "leaked sink blocks"
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)

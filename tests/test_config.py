@@ -1,0 +1,63 @@
+import pytest
+
+from longctx import KVConfig
+
+
+def test_defaults():
+    cfg = KVConfig()
+    assert (cfg.bits, cfg.block_size, cfg.sink_blocks, cfg.rotate) == (4, 64, 1, False)
+    assert cfg.layer_bits(0) == (4, 4)
+    assert cfg.describe() == "int4"
+
+
+def test_mixed_bits_and_16bit_layers():
+    cfg = KVConfig(bits=4, k_bits=8, layers_16bit=[3, 1])
+    assert cfg.layers_16bit == (1, 3)
+    assert cfg.layer_bits(0) == (8, 4) and cfg.layer_bits(1) == (16, 16)
+    assert cfg.describe() == "k8v4"
+    assert KVConfig(bits=2, rotate=True).describe() == "int2+rot"
+    assert KVConfig(bits=16).describe() == "bf16"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("bits", 3),
+        ("bits", 32),
+        ("bits", True),
+        ("k_bits", 5),
+        ("v_bits", 1),
+        ("block_size", 48),
+        ("block_size", 8),
+        ("block_size", 512),
+        ("group_size", 0),
+        ("sink_blocks", -1),
+        ("rotate", "yes"),
+        ("layers_16bit", (-1,)),
+        ("dtype", "int8"),
+        ("max_blocks", 0),
+        ("backend", "cuda-magic"),
+    ],
+)
+def test_invalid_values_name_field_and_value(field, value):
+    with pytest.raises(ValueError) as err:
+        KVConfig(**{field: value})
+    msg = str(err.value)
+    assert f"KVConfig.{field}=" in msg and repr(value) in msg
+
+
+def test_resolve_checks_model_dependent_fields():
+    assert KVConfig().resolve(4, 64).group_size == 64
+    assert KVConfig().resolve(4, 32).group_size == 32
+    assert KVConfig().resolve(4, 96).group_size == 48
+    with pytest.raises(ValueError, match="group_size=48.*head_dim=64"):
+        KVConfig(group_size=48).resolve(4, 64)
+    with pytest.raises(ValueError, match="rotate.*power-of-two head_dim.*96"):
+        KVConfig(rotate=True).resolve(4, 96)
+    with pytest.raises(ValueError, match="layers_16bit.*num_layers=4"):
+        KVConfig(layers_16bit=(4,)).resolve(4, 64)
+
+
+def test_frozen():
+    with pytest.raises(Exception):
+        KVConfig().bits = 8
