@@ -379,7 +379,7 @@ class PagedKVCache:
     def attend(self, layer: int, q: torch.Tensor, start: torch.Tensor | None = None, scale: float | None = None, return_lse: bool = True):
         """Attention of q [B, H_q, C, D] (the last C tokens of `layer`) over this layer's
         pages and tail: (out [B, H_q, C, D], lse [B, H_q, C])."""
-        return paged_attention(q, self.view(layer), start=start, scale=scale, backend=self._kernel_backend(), return_lse=return_lse)
+        return paged_attention(q, self.view(layer), start=start, scale=scale, backend=self.config.backend, return_lse=return_lse)
 
     def dense(self, layer: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """All of `layer`'s keys and values, dequantized: [B, H_kv, seq_len(layer), D]."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 ALLOWED_BITS = (16, 8, 4, 2)
 ALLOWED_DTYPES = ("auto", "bfloat16", "float16", "float32")
-ALLOWED_BACKENDS = ("auto", "reference")
+ALLOWED_BACKENDS = ("auto", "reference", "triton")
 DEFAULT_GROUP_SIZE = 64
 
 
@@ -40,7 +40,8 @@ class KVConfig:
                  "auto" takes the model's dtype for K/V.
     max_blocks:  cap on quantized pages per tier (None: grow as needed); reaching it
                  raises `CacheFullError`, which says how many tokens still fit.
-    backend:     attention backend; "auto" picks the best one available.
+    backend:     attention backend: "reference" (torch), "triton" (fused decode kernel),
+                 or "auto": triton on CUDA when it imports, else reference.
     """
 
     bits: int = 4

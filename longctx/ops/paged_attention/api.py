@@ -9,6 +9,9 @@ Tests: tests/ops/test_paged_attention.py.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from ...errors import BackendUnavailableError
@@ -55,13 +58,40 @@ def paged_attention(
     if view.block_table.shape[0] != B:
         raise ValueError(f"paged_attention: block_table {tuple(view.block_table.shape)} has a different batch than q {tuple(q.shape)}")
     _check_start(start, B)
-    match backend:
-        case "auto" | "reference":
+    match resolve_backend(backend, q):
+        case "reference":
             from .reference import paged_attention_reference
 
             return paged_attention_reference(q, view, start, scale, return_lse)
+        case "triton":
+            if C > 1:  # prefill chunks: dequantize the past, then exact attention
+                from .reference import paged_attention_reference
+
+                return paged_attention_reference(q, view, start, scale, return_lse)
+            from .triton import paged_decode_triton
+
+            return paged_decode_triton(q, view, start, D**-0.5 if scale is None else scale, return_lse)
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """"auto" -> "triton" for CUDA tensors when triton imports, else "reference"."""
+    match backend:
+        case "auto":
+            return "triton" if q.is_cuda and triton_available() else "reference"
+        case "reference":
+            return "reference"
+        case "triton":
+            if not triton_available():
+                raise BackendUnavailableError("backend 'triton' needs the triton package: pip install 'longctx[gpu]'")
+            if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+                raise BackendUnavailableError("backend 'triton' runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1)")
+            return "triton"
         case _:
-            raise BackendUnavailableError(f"paged_attention has no backend {backend!r}; available: 'reference'")
+            raise BackendUnavailableError(f"paged_attention has no backend {backend!r}; available: 'auto', 'reference', 'triton'")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def dense_attention(

@@ -1,0 +1,99 @@
+"""Triton decode kernel vs the reference and an fp64 oracle, on a named grid.
+
+On CPU this runs under TRITON_INTERPRET=1 (set by conftest) with fp32/fp16 inputs (the
+interpreter's bf16 dot is broken); on CUDA (gpu marker) with bf16 too. Error budget: the
+kernel's error against fp64 may be at most twice the reference's, or a dtype floor.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from longctx import KVConfig  # noqa: E402
+from longctx.ops.paged_attention import paged_attention  # noqa: E402
+from longctx.ops.paged_attention.triton import num_splits, paged_decode_triton  # noqa: E402
+from longctx.testing import attention_fp64, expected_dense  # noqa: E402
+
+from .test_paged_attention import fill  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FLOOR = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+# (B, T, Hq, Hkv, D, block, cfg kwargs, padding, splits)
+CASES = [
+    (1, 1, 4, 4, 64, 16, dict(bits=4), False, None),
+    (2, 63, 9, 3, 64, 16, dict(bits=4), True, None),
+    (2, 64, 8, 2, 64, 16, dict(bits=8), False, 3),
+    (1, 1000, 8, 1, 128, 64, dict(bits=4), False, None),
+    (2, 300, 4, 4, 64, 16, dict(bits=2, rotate=True), True, 5),
+    (1, 600, 3, 1, 128, 256, dict(bits=4), False, 2),
+    (2, 200, 4, 1, 64, 16, dict(bits=4, k_bits=8), True, 4),
+    (1, 130, 8, 2, 128, 16, dict(bits=16), True, 3),
+    (2, 97, 8, 2, 64, 32, dict(bits=4, rotate=True), False, 2),
+    (1, 257, 4, 2, 64, 16, dict(bits=8, sink_blocks=0), False, 7),
+    (1, 150, 4, 2, 128, 16, dict(bits=4, group_size=32), False, 2),
+    (1, 100, 4, 2, 64, 16, dict(bits=4, k_bits=16), False, 2),
+]
+
+
+def case_id(c):
+    B, T, Hq, Hkv, D, P, kw, pad, sp = c
+    name = KVConfig(**kw).describe() + ("" if kw.get("sink_blocks", 1) else "-nosink") + (f"-g{kw['group_size']}" if "group_size" in kw else "")
+    return f"B{B}-T{T}-H{Hq}/{Hkv}-D{D}-P{P}-{name}" + ("-pad" if pad else "") + (f"-s{sp}" if sp else "")
+
+
+def dtypes():
+    return [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_triton_decode_within_budget(case, dtype):
+    B, T, Hq, Hkv, D, P, kw, pad, sp = case
+    cfg = KVConfig(block_size=P, **kw)
+    cache, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=dtype, seed=T)
+    cache_dev = cache
+    if DEVICE == "cuda":
+        cache_dev, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=dtype, seed=T)
+    view = cache_dev.view(0)
+    if DEVICE == "cuda":
+        view = _to(view, "cuda")
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(T + 1)).to(dtype)
+    start = torch.tensor([min(4 * b + 1, T - 1) for b in range(B)], dtype=torch.int32) if pad else None
+    qd = q.to(DEVICE)
+    sd = start.to(DEVICE) if start is not None else None
+    out, lse = paged_decode_triton(qd, view, sd, D**-0.5, splits=sp)
+    ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
+    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T - 1)
+    exact_out, exact_lse = attention_fp64(q, k_exp, v_exp, start)
+    err_kernel = (out.cpu().double() - exact_out).abs().max().item()
+    err_ref = (ref_out.double() - exact_out).abs().max().item()
+    assert torch.isfinite(out).all()
+    assert err_kernel <= max(2 * err_ref, FLOOR[dtype]), (err_kernel, err_ref)
+    assert (lse.cpu().double() - exact_lse).abs().max().item() <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[dtype])
+
+
+def _to(view, device):
+    import dataclasses
+
+    pages = dataclasses.replace(view.pages, **{n: t.to(device) for n, t in view.pages.tensors().items()})
+    return dataclasses.replace(view, pages=pages, sink_k=view.sink_k.to(device), sink_v=view.sink_v.to(device),
+                               block_table=view.block_table.to(device), tail_k=view.tail_k.to(device), tail_v=view.tail_v.to(device))
+
+
+def test_dispatch_and_padding_query():
+    cfg = KVConfig(bits=4, block_size=16, backend="triton")
+    cache, k, v = fill(cfg, 2, 40, 1, 2, 64)
+    q = torch.randn(2, 4, 1, 64)
+    view = cache.view(0) if DEVICE == "cpu" else _to(cache.view(0), "cuda")
+    start = torch.tensor([0, 40], dtype=torch.int32, device=DEVICE)  # row 1 sees nothing
+    out, lse = paged_attention(q.to(DEVICE), view, start=start, backend="triton")
+    assert torch.isfinite(out).all() and (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+
+
+def test_num_splits():
+    assert num_splits(1, 8, 2048, 132) == 33  # long context: fill the GPU
+    assert num_splits(8, 8, 512, 132) == 5
+    assert num_splits(1, 8, 4, 132) == 4  # never more splits than blocks
+    assert num_splits(64, 8, 8000, 132) == 1  # big batch: one program per row and head
