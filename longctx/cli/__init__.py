@@ -10,6 +10,7 @@ import sys
 
 import typer
 
+from .bench import app as bench_app
 from .eval import app as eval_app
 
 app = typer.Typer(
@@ -20,6 +21,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(eval_app, name="eval")
+app.add_typer(bench_app, name="bench")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,3 +34,4 @@ def main(argv: list[str] | None = None) -> None:
     except (LongCtxError, ValueError, FileNotFoundError) as e:
         Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
+
