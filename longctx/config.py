@@ -40,8 +40,8 @@ class KVConfig:
                  "auto" takes the model's dtype for K/V.
     max_blocks:  cap on quantized pages per tier (None: grow as needed); reaching it
                  raises `CacheFullError`, which says how many tokens still fit.
-    backend:     attention backend: "reference" (torch), "triton" (fused decode kernel),
-                 or "auto": triton on CUDA when it imports, else reference.
+    backend:     attention backend: "reference" (torch), "triton" (fused decode kernel, in
+                 development: opt-in only), or "auto" (reference, for now).
     """
 
     bits: int = 4

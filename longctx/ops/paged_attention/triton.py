@@ -13,6 +13,7 @@ Never imports the reference; tests compare the two (tests/ops/test_paged_attenti
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,40 +23,46 @@ import triton.language as tl
 from ...quant import hadamard
 from ..pages import PagedView
 
-NEG_BIG = -1.0e30
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
 def _dequant(codes_ptr, row_off, offs_p, offs_d, stride_p, BITS: tl.constexpr, D: tl.constexpr, P: tl.constexpr):
-    """Load a [P, D] tile of codes (packed little-end-first) and return them as fp32."""
+    """Load a [P, D] tile of codes (packed little-end-first) and return them as fp32.
+
+    Each channel reads its own byte and shifts (a byte is read 8/BITS times, from L1):
+    no join/reshape, whose layouts miscompiled as tensor-core operands on triton 3.6."""
+    PER: tl.constexpr = 8 // BITS
+    x = tl.load(codes_ptr + row_off + offs_p[:, None] * stride_p + (offs_d // PER)[None, :])
     if BITS == 8:
-        x = tl.load(codes_ptr + row_off + offs_p[:, None] * stride_p + offs_d[None, :])
         return x.to(tl.float32)
-    elif BITS == 4:
-        offs_h = tl.arange(0, D // 2)
-        x = tl.load(codes_ptr + row_off + offs_p[:, None] * stride_p + offs_h[None, :])
-        lo = (x & 15).to(tl.float32)
-        hi = (x >> 4).to(tl.float32)
-        return tl.reshape(tl.join(lo, hi), (P, D))
-    else:
-        offs_q = tl.arange(0, D // 4)
-        x = tl.load(codes_ptr + row_off + offs_p[:, None] * stride_p + offs_q[None, :])
-        c0 = (x & 3).to(tl.float32)
-        c1 = ((x >> 2) & 3).to(tl.float32)
-        c2 = ((x >> 4) & 3).to(tl.float32)
-        c3 = ((x >> 6) & 3).to(tl.float32)
-        return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (P, D))
+    shift = ((offs_d % PER) * BITS).to(tl.uint8)
+    return ((x >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
 
 
 @triton.jit
-def _online_update(s, v, m_i, l_i, acc, DOT: tl.constexpr):
+def _online_update(s, v, m_i, l_i, acc, DOT: tl.constexpr, PREC: tl.constexpr):
     """One block of the online softmax: s [G_PAD, P] fp32 scores (masked = -inf)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
     return m_new, l_i, acc, alpha
+
+
+@triton.jit
+def _dense_block(K, V, off, q, m_i, l_i, acc, acc_r, pos, start, valid,
+                 DOT: tl.constexpr, PREC: tl.constexpr, ROTATE: tl.constexpr):
+    """An unquantized, unrotated [P, D] block (sink page or tail) at K/V + off."""
+    k = tl.load(K + off, mask=valid[:, None], other=0.0)
+    v = tl.load(V + off, mask=valid[:, None], other=0.0)
+    s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
+    s = tl.where((valid & (pos >= start))[None, :], s, float("-inf"))
+    m_i, l_i, acc, alpha = _online_update(s, v, m_i, l_i, acc, DOT, PREC)
+    if ROTATE:
+        acc_r = acc_r * alpha[:, None]
+    return m_i, l_i, acc, acc_r
 
 
 @triton.jit
@@ -77,7 +84,8 @@ def _decode_kernel(
     s_l_b, s_l_h,
     n_blocks, n_sink, tail_len, blocks_per_split, scale,
     H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
+    HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -90,125 +98,169 @@ def _decode_kernel(
     q_off = b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(Q + q_off, mask=gmask[:, None], other=0.0).to(tl.float32) * scale
     if ROTATE:
-        qr = tl.load(QR + q_off, mask=gmask[:, None], other=0.0).to(tl.float32) * scale
-    start = tl.load(START + b)
+        qp = tl.load(QR + q_off, mask=gmask[:, None], other=0.0).to(tl.float32) * scale
+    else:
+        qp = q
+    start = 0
+    if HAS_START:
+        start = tl.load(START + b)
 
-    n_tail_blocks = tl.cdiv(tail_len, P)
-    total = n_blocks + n_tail_blocks
+    total = n_blocks + tl.cdiv(tail_len, P)
     lo = split * blocks_per_split
+    hi = tl.minimum(lo + blocks_per_split, total)
 
     m_i = tl.full((G_PAD,), NEG_BIG, tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
     acc_r = tl.zeros((G_PAD, D), tl.float32)
+    all_p = offs_p >= 0
 
-    # Logical blocks [lo, hi): sink pages (unquantized), sealed pages (quantized unless
-    # 16-bit; rotated when ROTATE), then the unquantized tail as blocks after the table.
-    for j in range(lo, lo + blocks_per_split):
-        if j < n_sink:
-            blk = tl.load(TABLE + b * stride_tb + j)
-            off = blk * s_sk_n + h * s_sk_h + offs_p[:, None] * s_sk_p + offs_d[None, :]
-            k = tl.load(SINK_K + off).to(tl.float32)
-            v = tl.load(SINK_V + off).to(tl.float32)
-            s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)))
-            s = tl.where(((j * P + offs_p) >= start)[None, :], s, float("-inf"))
-            m_i, l_i, acc, alpha = _online_update(s, v, m_i, l_i, acc, DOT)
-            if ROTATE:
-                acc_r = acc_r * alpha[:, None]
-        elif j < n_blocks:
-            blk = tl.load(TABLE + b * stride_tb + j)
-            if K_BITS == 16:
-                k = tl.load(KD + blk * s_kd_n + h * s_kd_h + offs_p[:, None] * s_kd_p + offs_d[None, :]).to(tl.float32)
-            else:
-                kc = _dequant(KC, blk * s_kc_n + h * s_kc_h, offs_p, offs_d, s_kc_p, K_BITS, D, P)
-                ks = tl.load(KS + blk * s_ks_n + h * s_ks_h + offs_d).to(tl.float32)
-                kz = tl.load(KZ + blk * s_ks_n + h * s_ks_h + offs_d).to(tl.float32)
-                k = kc * ks[None, :] + kz[None, :]
-            if V_BITS == 16:
-                v = tl.load(VD + blk * s_vd_n + h * s_vd_h + offs_p[:, None] * s_vd_p + offs_d[None, :]).to(tl.float32)
-            else:
-                vc = _dequant(VC, blk * s_vc_n + h * s_vc_h, offs_p, offs_d, s_vc_p, V_BITS, D, P)
-                vs_off = blk * s_vs_n + h * s_vs_h + offs_p[:, None] * s_vs_p + (offs_d // GS)[None, :]
-                vs = tl.load(VS + vs_off).to(tl.float32)
-                vz = tl.load(VZ + vs_off).to(tl.float32)
-                v = vc * vs + vz
-            if ROTATE:
-                s = tl.dot(qr.to(DOT), tl.trans(k.to(DOT)))
-                s = tl.where(((j * P + offs_p) >= start)[None, :], s, float("-inf"))
-                m_i, l_i, acc_r, alpha = _online_update(s, v, m_i, l_i, acc_r, DOT)
-                acc = acc * alpha[:, None]
-            else:
-                s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)))
-                s = tl.where(((j * P + offs_p) >= start)[None, :], s, float("-inf"))
-                m_i, l_i, acc, alpha = _online_update(s, v, m_i, l_i, acc, DOT)
-        elif j < total:
-            t = (j - n_blocks) * P + offs_p
-            valid = t < tail_len
-            off = b * s_tk_b + h * s_tk_h + t[:, None] * s_tk_p + offs_d[None, :]
-            k = tl.load(TAIL_K + off, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(TAIL_V + off, mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)))
-            s = tl.where((valid & ((n_blocks * P + t) >= start))[None, :], s, float("-inf"))
-            m_i, l_i, acc, alpha = _online_update(s, v, m_i, l_i, acc, DOT)
-            if ROTATE:
-                acc_r = acc_r * alpha[:, None]
+    # 1. sink pages: unquantized, unrotated
+    for j in range(lo, tl.minimum(hi, n_sink)):
+        blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
+        off = blk * s_sk_n + h * s_sk_h + offs_p[:, None] * s_sk_p + offs_d[None, :]
+        m_i, l_i, acc, acc_r = _dense_block(SINK_K, SINK_V, off, q, m_i, l_i, acc, acc_r, j * P + offs_p, start, all_p, DOT, PREC, ROTATE)
+
+    # 2. sealed pages: K scores fold the per-channel scales into the query,
+    #    (q*s).codes + q.z; V is dequantized in registers with per-token group scales.
+    for j in range(tl.maximum(lo, n_sink), tl.minimum(hi, n_blocks)):
+        blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
+        if K_BITS == 16:
+            k = tl.load(KD + blk * s_kd_n + h * s_kd_h + offs_p[:, None] * s_kd_p + offs_d[None, :])
+            s = tl.dot(qp.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
+        else:
+            kc = _dequant(KC, blk * s_kc_n + h * s_kc_h, offs_p, offs_d, s_kc_p, K_BITS, D, P)
+            ks = tl.load(KS + blk * s_ks_n + h * s_ks_h + offs_d).to(tl.float32)
+            kz = tl.load(KZ + blk * s_ks_n + h * s_ks_h + offs_d).to(tl.float32)
+            s = tl.dot((qp * ks[None, :]).to(DOT), tl.trans(kc.to(DOT)), input_precision=PREC)
+            s = s + tl.sum(qp * kz[None, :], 1)[:, None]
+        if V_BITS == 16:
+            v = tl.load(VD + blk * s_vd_n + h * s_vd_h + offs_p[:, None] * s_vd_p + offs_d[None, :])
+        else:
+            vc = _dequant(VC, blk * s_vc_n + h * s_vc_h, offs_p, offs_d, s_vc_p, V_BITS, D, P)
+            offs_n = tl.arange(0, D // GS)
+            vs_off = blk * s_vs_n + h * s_vs_h + offs_p[:, None] * s_vs_p + offs_n[None, :]
+            vs = tl.load(VS + vs_off).to(tl.float32)
+            vz = tl.load(VZ + vs_off).to(tl.float32)
+            vs = tl.reshape(tl.broadcast_to(vs[:, :, None], (P, D // GS, GS)), (P, D))
+            vz = tl.reshape(tl.broadcast_to(vz[:, :, None], (P, D // GS, GS)), (P, D))
+            v = vc * vs + vz
+        s = tl.where(((j * P + offs_p) >= start)[None, :], s, float("-inf"))
+        if ROTATE:
+            m_i, l_i, acc_r, alpha = _online_update(s, v, m_i, l_i, acc_r, DOT, PREC)
+            acc = acc * alpha[:, None]
+        else:
+            m_i, l_i, acc, alpha = _online_update(s, v, m_i, l_i, acc, DOT, PREC)
+
+    # 3. the tail: unquantized, unrotated, as blocks after the table
+    for j in range(tl.maximum(lo, n_blocks), hi):
+        t = (j - n_blocks) * P + offs_p
+        off = b * s_tk_b + h * s_tk_h + t[:, None] * s_tk_p + offs_d[None, :]
+        m_i, l_i, acc, acc_r = _dense_block(TAIL_K, TAIL_V, off, q, m_i, l_i, acc, acc_r, n_blocks * P + t, start, t < tail_len, DOT, PREC, ROTATE)
 
     seen = l_i > 0
     inv = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
     o_off = b * s_o_b + (h * G + offs_g)[:, None] * s_o_h + split * s_o_s + offs_d[None, :]
-    tl.store(O + o_off, acc * inv[:, None], mask=gmask[:, None])
+    tl.store(O + o_off, (acc * inv[:, None]).to(O.dtype.element_ty), mask=gmask[:, None])
     if ROTATE:
         tl.store(OR + o_off, acc_r * inv[:, None], mask=gmask[:, None])
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     tl.store(LSE + b * s_l_b + (h * G + offs_g) * s_l_h + split, lse, mask=gmask)
 
 
+@triton.jit
+def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
+                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr):
+    """Merge the splits of one (row, query head) by log-sum-exp."""
+    pid = tl.program_id(0)
+    b = pid // HQ
+    hq = pid % HQ
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D)
+    smask = offs_s < S
+    lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)
+    denom = tl.sum(w, 0)
+    w = w / tl.where(denom > 0, denom, 1.0)
+    o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0)
+    tl.store(OUT + b * s_out_b + hq * s_out_h + offs_d, out.to(OUT.dtype.element_ty))
+    tl.store(LOUT + b * HQ + hq, tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf")))
+
+
 def num_splits(batch: int, kv_heads: int, total_blocks: int, sm_count: int) -> int:
-    """Splits of the KV length so that about two waves of programs fill the GPU; short
-    contexts get one program per (row, head) (one cheap launch, no merge work)."""
-    target = 2 * sm_count
+    """Splits of the KV length so that about eight programs per SM keep enough loads in
+    flight; short contexts and big batches get one program per (row, head), whose output
+    needs no merge."""
+    target = 8 * sm_count
     per_row_head = max(1, math.ceil(target / max(1, batch * kv_heads)))
     return max(1, min(per_row_head, total_blocks, 256))
 
 
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_DUMMIES: dict = {}
+
+
+def _dummies(device, dtype):
+    key = (device, dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = (torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=device), torch.zeros(1, 1, 1, 1, dtype=dtype, device=device))
+    return _DUMMIES[key]
+
+
+_HADAMARD: dict = {}
+
+
+def _hadamard_on(d: int, device) -> torch.Tensor:
+    key = (d, str(device))
+    if key not in _HADAMARD:
+        _HADAMARD[key] = hadamard(d, torch.float32, device)
+    return _HADAMARD[key]
+
+
 def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
-    """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] or None)."""
+    """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None)."""
     pages, fmt = view.pages, view.pages.fmt
-    B, Hq, C, D = q.shape
+    B, Hq, _, D = q.shape
     H, P = fmt.num_kv_heads, fmt.block_size
     G = Hq // H
     q2 = q[:, :, 0]
     if q2.stride(-1) != 1:
         q2 = q2.contiguous()
-    qr = (q2.float() @ hadamard(D, torch.float32, q.device)).to(q2.dtype) if fmt.rotate else q2
+    hmat = _hadamard_on(D, q.device) if fmt.rotate else None
+    qr = (q2.float() @ hmat).to(q2.dtype) if fmt.rotate else q2
     table = view.block_table
     n_blocks = table.shape[1]
-    if table.numel() == 0:
+    if n_blocks == 0:
         table = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
     tail_k, tail_v = view.tail_k, view.tail_v
     tail_len = tail_k.shape[2]
-    assert tail_k.stride(-1) == 1 and tail_k.stride() == tail_v.stride(), "tail must be contiguous in D and alike"
+    if tail_k.stride(-1) != 1 or tail_k.stride() != tail_v.stride():
+        raise ValueError("paged_decode_triton: tail_k/tail_v must be contiguous along D and strided alike")
     total = n_blocks + (tail_len + P - 1) // P
     if splits is None:
-        sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        sm = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 4
         splits = num_splits(B, H, total, sm)
     bps = max(1, math.ceil(total / splits))
     splits = max(1, math.ceil(total / bps))
-    start_t = torch.zeros(B, dtype=torch.int32, device=q.device) if start is None else start.to(torch.int32)
-    o = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device)
+    merged = splits == 1 and not fmt.rotate  # one split: the kernel writes the final output
+    o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
     o_r = torch.empty_like(o) if fmt.rotate else o
     lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
-    u8 = torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=q.device)
-    f = torch.zeros(1, 1, 1, 1, dtype=view.sink_k.dtype, device=q.device)
+    u8, f = _dummies(q.device, view.sink_k.dtype)
     KD = pages.k if fmt.k_bits == 16 else f
     VD = pages.v if fmt.v_bits == 16 else f
     KC, KS, KZ = (pages.k_codes, pages.k_scale, pages.k_zero) if fmt.k_bits != 16 else (u8, f[0], f[0])
     VC, VS, VZ = (pages.v_codes, pages.v_scale, pages.v_zero) if fmt.v_bits != 16 else (u8, f, f)
-    for t in (view.sink_k, KD, VD, KC, VC):
-        assert t.stride(-1) == 1, "pages must be contiguous along their last dim"
     dot = tl.float16 if q.dtype == torch.float16 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32)
     _decode_kernel[(B * H, splits)](
-        q2, qr, table, start_t,
+        q2, qr, table, start if start is not None else table,
         view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
         o, o_r, lse,
         q2.stride(0), q2.stride(1),
@@ -225,16 +277,22 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         lse.stride(0), lse.stride(1),
         n_blocks, min(view.n_sink, n_blocks), tail_len, bps, scale,
         H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, P=P,
-        K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate, DOT=dot,
+        K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate,
+        HAS_START=start is not None, DOT=dot, PREC="ieee" if dot == tl.float32 else "tf32",
         num_warps=4,
     )
-    # merge the splits by log-sum-exp
-    m = lse.amax(-1, keepdim=True)
-    w = torch.exp(lse - torch.where(torch.isfinite(m), m, 0.0))
-    denom = w.sum(-1, keepdim=True)
-    w = torch.where(denom > 0, w / torch.where(denom > 0, denom, 1.0), 0.0)
-    out = (o * w[..., None]).sum(2)
-    if fmt.rotate:
-        out = out + (o_r * w[..., None]).sum(2) @ hadamard(D, torch.float32, q.device)
-    total_lse = (m.squeeze(-1) + torch.log(denom.squeeze(-1))) if return_lse else None
-    return out[:, :, None].to(q.dtype), (total_lse[:, :, None] if return_lse else None)
+    if merged:
+        return o, (lse if return_lse else None)
+    if fmt.rotate:  # two partial outputs per split; merge in torch, then rotate back
+        m = lse.amax(-1, keepdim=True)
+        w = torch.exp(lse - torch.where(torch.isfinite(m), m, 0.0))
+        denom = w.sum(-1, keepdim=True)
+        w = torch.where(denom > 0, w / torch.where(denom > 0, denom, 1.0), 0.0)
+        out = (o * w[..., None]).sum(2) + (o_r * w[..., None]).sum(2) @ hmat
+        total_lse = torch.where(denom > 0, m + torch.log(torch.where(denom > 0, denom, 1.0)), float("-inf"))
+        return out[:, :, None].to(q.dtype), (total_lse if return_lse else None)
+    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+    lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
+    _merge_kernel[(B * Hq,)](o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+                             out.stride(0), out.stride(1), HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    return out, (lout if return_lse else None)
