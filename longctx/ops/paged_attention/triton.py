@@ -20,49 +20,42 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import BackendUnavailableError
 from ...quant import hadamard
 from ..pages import PagedView
 
 NEG_BIG = tl.constexpr(-1.0e30)
 
 
-@triton.jit
-def _dequant(codes_ptr, row_off, offs_p, offs_d, stride_p, BITS: tl.constexpr, D: tl.constexpr, P: tl.constexpr):
-    """Load a [P, D] tile of codes (packed little-end-first) and return them as fp32.
+# Layout: a byte of int4 codes holds channels 2i (low nibble) and 2i+1; of int2 codes,
+# channels 4i..4i+3. Rather than interleaving unpacked codes back into [P, D] (a layout
+# change that miscompiled as a tensor-core operand on triton 3.6), the kernel works on
+# PER = 8/bits "sub-tiles": sub-tile r holds channels r, r+PER, r+2*PER... The query is
+# loaded split the same way for K, and the output is accumulated per sub-tile for V and
+# written back to its strided channels at the end. 8- and 16-bit sides use PER = 1.
 
-    Each channel reads its own byte and shifts (a byte is read 8/BITS times, from L1):
-    no join/reshape, whose layouts miscompiled as tensor-core operands on triton 3.6."""
-    PER: tl.constexpr = 8 // BITS
-    x = tl.load(codes_ptr + row_off + offs_p[:, None] * stride_p + (offs_d // PER)[None, :])
-    if BITS == 8:
+
+@triton.jit
+def _sub(x, r: tl.constexpr, BITS: tl.constexpr):
+    """Codes of sub-tile r of a byte tile, as fp32."""
+    if BITS >= 8:
         return x.to(tl.float32)
-    shift = ((offs_d % PER) * BITS).to(tl.uint8)
-    return ((x >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    return ((x >> (r * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
 
 
 @triton.jit
-def _online_update(s, v, m_i, l_i, acc, DOT: tl.constexpr, PREC: tl.constexpr):
-    """One block of the online softmax: s [G_PAD, P] fp32 scores (masked = -inf)."""
+def _softmax_step(s, m_i, l_i):
+    """Online softmax over one block of scores s [G_PAD, P] (masked = -inf)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
-    return m_new, l_i, acc, alpha
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
 
 
 @triton.jit
-def _dense_block(K, V, off, q, m_i, l_i, acc, acc_r, pos, start, valid,
-                 DOT: tl.constexpr, PREC: tl.constexpr, ROTATE: tl.constexpr):
-    """An unquantized, unrotated [P, D] block (sink page or tail) at K/V + off."""
-    k = tl.load(K + off, mask=valid[:, None], other=0.0)
-    v = tl.load(V + off, mask=valid[:, None], other=0.0)
-    s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
-    s = tl.where((valid & (pos >= start))[None, :], s, float("-inf"))
-    m_i, l_i, acc, alpha = _online_update(s, v, m_i, l_i, acc, DOT, PREC)
-    if ROTATE:
-        acc_r = acc_r * alpha[:, None]
-    return m_i, l_i, acc, acc_r
+def _load_q(Q, base, offs_g, gmask, r: tl.constexpr, PER: tl.constexpr, DS: tl.constexpr, stride_qh, scale):
+    offs = r + PER * tl.arange(0, DS)
+    return tl.load(Q + base + offs_g[:, None] * stride_qh + offs[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * scale
 
 
 @triton.jit
@@ -87,6 +80,10 @@ def _decode_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
 ):
+    PK: tl.constexpr = 8 // K_BITS if K_BITS < 8 else 1
+    PV: tl.constexpr = 8 // V_BITS if V_BITS < 8 else 1
+    DK: tl.constexpr = D // PK
+    DV: tl.constexpr = D // PV
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // H
@@ -94,13 +91,22 @@ def _decode_kernel(
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     offs_p = tl.arange(0, P)
+    offs_k = tl.arange(0, DK)
+    offs_v = tl.arange(0, DV)
     gmask = offs_g < G
-    q_off = b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=gmask[:, None], other=0.0).to(tl.float32) * scale
-    if ROTATE:
-        qp = tl.load(QR + q_off, mask=gmask[:, None], other=0.0).to(tl.float32) * scale
-    else:
-        qp = q
+    qbase = b * stride_qb + h * G * stride_qh
+    q = _load_q(Q, qbase, offs_g, gmask, 0, 1, D, stride_qh, scale)  # unrotated: sinks, tail
+    QP = QR if ROTATE else Q  # the query of the sealed pages
+    qp = _load_q(QP, qbase, offs_g, gmask, 0, 1, D, stride_qh, scale)
+    qp0 = _load_q(QP, qbase, offs_g, gmask, 0, PK, DK, stride_qh, scale)
+    qp1 = qp0
+    qp2 = qp0
+    qp3 = qp0
+    if PK > 1:
+        qp1 = _load_q(QP, qbase, offs_g, gmask, 1, PK, DK, stride_qh, scale)
+    if PK > 2:
+        qp2 = _load_q(QP, qbase, offs_g, gmask, 2, PK, DK, stride_qh, scale)
+        qp3 = _load_q(QP, qbase, offs_g, gmask, 3, PK, DK, stride_qh, scale)
     start = 0
     if HAS_START:
         start = tl.load(START + b)
@@ -111,59 +117,130 @@ def _decode_kernel(
 
     m_i = tl.full((G_PAD,), NEG_BIG, tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
-    acc = tl.zeros((G_PAD, D), tl.float32)
-    acc_r = tl.zeros((G_PAD, D), tl.float32)
-    all_p = offs_p >= 0
+    # a*: unrotated output per V sub-tile; r*: rotated (sealed pages when ROTATE)
+    a0 = tl.zeros((G_PAD, DV), tl.float32)
+    a1 = tl.zeros((G_PAD, DV), tl.float32)
+    a2 = tl.zeros((G_PAD, DV), tl.float32)
+    a3 = tl.zeros((G_PAD, DV), tl.float32)
+    r0 = tl.zeros((G_PAD, DV), tl.float32)
+    r1 = tl.zeros((G_PAD, DV), tl.float32)
+    r2 = tl.zeros((G_PAD, DV), tl.float32)
+    r3 = tl.zeros((G_PAD, DV), tl.float32)
 
-    # 1. sink pages: unquantized, unrotated
-    for j in range(lo, tl.minimum(hi, n_sink)):
-        blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
-        off = blk * s_sk_n + h * s_sk_h + offs_p[:, None] * s_sk_p + offs_d[None, :]
-        m_i, l_i, acc, acc_r = _dense_block(SINK_K, SINK_V, off, q, m_i, l_i, acc, acc_r, j * P + offs_p, start, all_p, DOT, PREC, ROTATE)
+    # 1. + 3. unquantized, unrotated blocks: sink pages, then the tail after the table
+    for j in range(lo, hi):
+        is_sink = j < n_sink
+        is_tail = j >= n_blocks
+        if is_sink or is_tail:
+            t = (j - n_blocks) * P + offs_p
+            if is_sink:
+                blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
+                kbase = SINK_K + blk * s_sk_n + h * s_sk_h
+                vbase = SINK_V + blk * s_sk_n + h * s_sk_h
+                sp = s_sk_p
+                valid = offs_p >= 0
+                pos = j * P + offs_p
+            else:
+                kbase = TAIL_K + b * s_tk_b + h * s_tk_h + (j - n_blocks) * P * s_tk_p
+                vbase = TAIL_V + b * s_tk_b + h * s_tk_h + (j - n_blocks) * P * s_tk_p
+                sp = s_tk_p
+                valid = t < tail_len
+                pos = n_blocks * P + t
+            k = tl.load(kbase + offs_p[:, None] * sp + offs_d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
+            s = tl.where((valid & (pos >= start))[None, :], s, float("-inf"))
+            m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+            p = p.to(DOT)
+            vptr = vbase + offs_p[:, None] * sp + PV * offs_v[None, :]
+            a0 = a0 * alpha[:, None] + tl.dot(p, tl.load(vptr, mask=valid[:, None], other=0.0).to(DOT), input_precision=PREC)
+            if PV > 1:
+                a1 = a1 * alpha[:, None] + tl.dot(p, tl.load(vptr + 1, mask=valid[:, None], other=0.0).to(DOT), input_precision=PREC)
+            if PV > 2:
+                a2 = a2 * alpha[:, None] + tl.dot(p, tl.load(vptr + 2, mask=valid[:, None], other=0.0).to(DOT), input_precision=PREC)
+                a3 = a3 * alpha[:, None] + tl.dot(p, tl.load(vptr + 3, mask=valid[:, None], other=0.0).to(DOT), input_precision=PREC)
+            if ROTATE:
+                r0 = r0 * alpha[:, None]
+                r1 = r1 * alpha[:, None]
+                r2 = r2 * alpha[:, None]
+                r3 = r3 * alpha[:, None]
 
-    # 2. sealed pages: K scores fold the per-channel scales into the query,
-    #    (q*s).codes + q.z; V is dequantized in registers with per-token group scales.
+    # 2. sealed pages: K scores fold per-channel scales into the query, (q*s).codes + q.z
     for j in range(tl.maximum(lo, n_sink), tl.minimum(hi, n_blocks)):
         blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
         if K_BITS == 16:
             k = tl.load(KD + blk * s_kd_n + h * s_kd_h + offs_p[:, None] * s_kd_p + offs_d[None, :])
             s = tl.dot(qp.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
         else:
-            kc = _dequant(KC, blk * s_kc_n + h * s_kc_h, offs_p, offs_d, s_kc_p, K_BITS, D, P)
-            ks = tl.load(KS + blk * s_ks_n + h * s_ks_h + offs_d).to(tl.float32)
+            xk = tl.load(KC + blk * s_kc_n + h * s_kc_h + offs_p[:, None] * s_kc_p + offs_k[None, :])
+            ksb = KS + blk * s_ks_n + h * s_ks_h + PK * offs_k
+            s = tl.dot((qp0 * tl.load(ksb).to(tl.float32)[None, :]).to(DOT), tl.trans(_sub(xk, 0, K_BITS).to(DOT)), input_precision=PREC)
+            if PK > 1:
+                s += tl.dot((qp1 * tl.load(ksb + 1).to(tl.float32)[None, :]).to(DOT), tl.trans(_sub(xk, 1, K_BITS).to(DOT)), input_precision=PREC)
+            if PK > 2:
+                s += tl.dot((qp2 * tl.load(ksb + 2).to(tl.float32)[None, :]).to(DOT), tl.trans(_sub(xk, 2, K_BITS).to(DOT)), input_precision=PREC)
+                s += tl.dot((qp3 * tl.load(ksb + 3).to(tl.float32)[None, :]).to(DOT), tl.trans(_sub(xk, 3, K_BITS).to(DOT)), input_precision=PREC)
             kz = tl.load(KZ + blk * s_ks_n + h * s_ks_h + offs_d).to(tl.float32)
-            s = tl.dot((qp * ks[None, :]).to(DOT), tl.trans(kc.to(DOT)), input_precision=PREC)
-            s = s + tl.sum(qp * kz[None, :], 1)[:, None]
-        if V_BITS == 16:
-            v = tl.load(VD + blk * s_vd_n + h * s_vd_h + offs_p[:, None] * s_vd_p + offs_d[None, :])
-        else:
-            vc = _dequant(VC, blk * s_vc_n + h * s_vc_h, offs_p, offs_d, s_vc_p, V_BITS, D, P)
-            offs_n = tl.arange(0, D // GS)
-            vs_off = blk * s_vs_n + h * s_vs_h + offs_p[:, None] * s_vs_p + offs_n[None, :]
-            vs = tl.load(VS + vs_off).to(tl.float32)
-            vz = tl.load(VZ + vs_off).to(tl.float32)
-            vs = tl.reshape(tl.broadcast_to(vs[:, :, None], (P, D // GS, GS)), (P, D))
-            vz = tl.reshape(tl.broadcast_to(vz[:, :, None], (P, D // GS, GS)), (P, D))
-            v = vc * vs + vz
+            s += tl.sum(qp * kz[None, :], 1)[:, None]
         s = tl.where(((j * P + offs_p) >= start)[None, :], s, float("-inf"))
-        if ROTATE:
-            m_i, l_i, acc_r, alpha = _online_update(s, v, m_i, l_i, acc_r, DOT, PREC)
-            acc = acc * alpha[:, None]
+        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+        p = p.to(DOT)
+        if V_BITS == 16:
+            vptr = VD + blk * s_vd_n + h * s_vd_h + offs_p[:, None] * s_vd_p + PV * offs_v[None, :]
+            v0 = tl.load(vptr).to(DOT)
+            v1 = v0
+            v2 = v0
+            v3 = v0
         else:
-            m_i, l_i, acc, alpha = _online_update(s, v, m_i, l_i, acc, DOT, PREC)
-
-    # 3. the tail: unquantized, unrotated, as blocks after the table
-    for j in range(tl.maximum(lo, n_blocks), hi):
-        t = (j - n_blocks) * P + offs_p
-        off = b * s_tk_b + h * s_tk_h + t[:, None] * s_tk_p + offs_d[None, :]
-        m_i, l_i, acc, acc_r = _dense_block(TAIL_K, TAIL_V, off, q, m_i, l_i, acc, acc_r, n_blocks * P + t, start, t < tail_len, DOT, PREC, ROTATE)
+            xv = tl.load(VC + blk * s_vc_n + h * s_vc_h + offs_p[:, None] * s_vc_p + offs_v[None, :])
+            vs_off = blk * s_vs_n + h * s_vs_h + offs_p[:, None] * s_vs_p + tl.arange(0, D // GS)[None, :]
+            # column i of every sub-tile is in group i // (GS // PV)
+            vs = tl.reshape(tl.broadcast_to(tl.load(VS + vs_off).to(tl.float32)[:, :, None], (P, D // GS, GS // PV)), (P, DV))
+            vz = tl.reshape(tl.broadcast_to(tl.load(VZ + vs_off).to(tl.float32)[:, :, None], (P, D // GS, GS // PV)), (P, DV))
+            v0 = (_sub(xv, 0, V_BITS) * vs + vz).to(DOT)
+            v1 = v0
+            v2 = v0
+            v3 = v0
+            if PV > 1:
+                v1 = (_sub(xv, 1, V_BITS) * vs + vz).to(DOT)
+            if PV > 2:
+                v2 = (_sub(xv, 2, V_BITS) * vs + vz).to(DOT)
+                v3 = (_sub(xv, 3, V_BITS) * vs + vz).to(DOT)
+        if ROTATE:
+            a0 = a0 * alpha[:, None]
+            a1 = a1 * alpha[:, None]
+            a2 = a2 * alpha[:, None]
+            a3 = a3 * alpha[:, None]
+            r0 = r0 * alpha[:, None] + tl.dot(p, v0, input_precision=PREC)
+            if PV > 1:
+                r1 = r1 * alpha[:, None] + tl.dot(p, v1, input_precision=PREC)
+            if PV > 2:
+                r2 = r2 * alpha[:, None] + tl.dot(p, v2, input_precision=PREC)
+                r3 = r3 * alpha[:, None] + tl.dot(p, v3, input_precision=PREC)
+        else:
+            a0 = a0 * alpha[:, None] + tl.dot(p, v0, input_precision=PREC)
+            if PV > 1:
+                a1 = a1 * alpha[:, None] + tl.dot(p, v1, input_precision=PREC)
+            if PV > 2:
+                a2 = a2 * alpha[:, None] + tl.dot(p, v2, input_precision=PREC)
+                a3 = a3 * alpha[:, None] + tl.dot(p, v3, input_precision=PREC)
 
     seen = l_i > 0
-    inv = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
-    o_off = b * s_o_b + (h * G + offs_g)[:, None] * s_o_h + split * s_o_s + offs_d[None, :]
-    tl.store(O + o_off, (acc * inv[:, None]).to(O.dtype.element_ty), mask=gmask[:, None])
+    inv = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
+    o_off = b * s_o_b + (h * G + offs_g)[:, None] * s_o_h + split * s_o_s + PV * offs_v[None, :]
+    om = gmask[:, None]
+    tl.store(O + o_off, (a0 * inv).to(O.dtype.element_ty), mask=om)
+    if PV > 1:
+        tl.store(O + o_off + 1, (a1 * inv).to(O.dtype.element_ty), mask=om)
+    if PV > 2:
+        tl.store(O + o_off + 2, (a2 * inv).to(O.dtype.element_ty), mask=om)
+        tl.store(O + o_off + 3, (a3 * inv).to(O.dtype.element_ty), mask=om)
     if ROTATE:
-        tl.store(OR + o_off, acc_r * inv[:, None], mask=gmask[:, None])
+        tl.store(OR + o_off, r0 * inv, mask=om)
+        if PV > 1:
+            tl.store(OR + o_off + 1, r1 * inv, mask=om)
+        if PV > 2:
+            tl.store(OR + o_off + 2, r2 * inv, mask=om)
+            tl.store(OR + o_off + 3, r3 * inv, mask=om)
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     tl.store(LSE + b * s_l_b + (h * G + offs_g) * s_l_h + split, lse, mask=gmask)
 
@@ -227,6 +304,8 @@ def _hadamard_on(d: int, device) -> torch.Tensor:
 def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
     """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None)."""
     pages, fmt = view.pages, view.pages.fmt
+    if fmt.v_bits < 8 and fmt.group_size % (8 // fmt.v_bits):
+        raise BackendUnavailableError(f"triton decode needs group_size divisible by {8 // fmt.v_bits} at {fmt.v_bits} bits, got {fmt.group_size}")
     B, Hq, _, D = q.shape
     H, P = fmt.num_kv_heads, fmt.block_size
     G = Hq // H
