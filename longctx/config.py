@@ -40,8 +40,9 @@ class KVConfig:
                  "auto" takes the model's dtype for K/V.
     max_blocks:  cap on quantized pages per tier (None: grow as needed); reaching it
                  raises `CacheFullError`, which says how many tokens still fit.
-    backend:     attention backend: "reference" (torch), "triton" (fused decode kernel, in
-                 development: opt-in only), or "auto" (reference, for now).
+    backend:     attention backend: "reference" (torch), "triton" (fused decode kernel;
+                 prefill chunks dequantize the past, then exact attention), or "auto":
+                 triton on CUDA when it imports, else reference.
     """
 
     bits: int = 4

@@ -74,12 +74,10 @@ def paged_attention(
 
 
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """"auto" -> "reference" until the Triton decode kernel passes its GPU tests and beats
-    SDPA (issue 3: it is still slower, and wrong for 256-token pages at head_dim 128 in
-    16-bit on the H200); "triton" must be asked for by name."""
+    """"auto" -> "triton" for CUDA tensors when triton imports, else "reference"."""
     match backend:
         case "auto":
-            return "reference"
+            return "triton" if q.is_cuda and triton_available() else "reference"
         case "reference":
             return "reference"
         case "triton":
