@@ -17,13 +17,12 @@ padding, which attention skips. Thread-unsafe by design, like the models it serv
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
-
 import torch
 
 from .allocator import BlockAllocator, BlockTables
 from .config import KVConfig
 from .errors import CacheFullError
+from .memory import MemoryReport, memory_report
 from .ops.gather_dequant import gather_dequant
 from .ops.paged_attention import paged_attention
 from .ops.pages import Pages, PagedView
@@ -43,36 +42,6 @@ def _storage_op(fn):
             return fn(*args, **kwargs)
 
     return wrapper
-
-
-@dataclass
-class MemoryReport:
-    """What the cache holds. Bytes count stored data: sealed blocks (codes, scales, 16-bit
-    pages), sink blocks and the tail tokens held; `reserved_bytes` is what the tensors
-    occupy, growth slack and tail capacity included."""
-
-    tokens: int  # per row
-    rows: int
-    blocks: dict[str, int]  # physical blocks in use: {"sink": n, "quantized": n, "dense": n}
-    bytes_by_kind: dict[str, int]  # codes, scales, dense_pages, sinks, tails
-    bytes_by_tier: dict[str, int]  # gpu, host (the "gpu" tier is the compute device's memory)
-    total_bytes: int
-    reserved_bytes: int
-    bytes_per_token: float  # total_bytes / (rows * tokens)
-    bf16_bytes_per_token: int  # a bf16 cache of the same model: K and V, all layers
-    device: str = ""
-    format: str = ""
-    layers: int = 0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def ratio_to_bf16(self) -> float:
-        return self.bytes_per_token / self.bf16_bytes_per_token if self.tokens else 0.0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["ratio_to_bf16"] = self.ratio_to_bf16
-        return d
 
 
 class PagedKVCache:
@@ -122,10 +91,10 @@ class PagedKVCache:
     @_storage_op
     def _init_storage(self, like: torch.Tensor, batch: int) -> None:
         cfg = self.config
-        self.dtype = like.dtype if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-        if self.dtype not in DTYPES.values():
+        dtype = like.dtype if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        if dtype not in DTYPES.values():
             raise ValueError(f"keys/values of dtype {like.dtype} cannot be cached; cast the model to bf16/fp16/fp32")
-        self.device = like.device
+        self.dtype, self.device = dtype, like.device
         L, H, P, D = self.num_layers, self.num_kv_heads, self.block_size, self.head_dim
         self.formats = [
             BlockFormat(*cfg.layer_bits(l), P, cfg.group_size, D, H, self.dtype, cfg.rotate) for l in range(L)
@@ -456,43 +425,4 @@ class PagedKVCache:
         """Tokens, blocks and bytes by kind and tier (full tail blocks are sealed first)."""
         if self.initialized and self.batch_size and len(set(self.tail_len)) == 1:
             self.seal()
-        L, H, P, D = self.num_layers, self.num_kv_heads, self.block_size, self.head_dim
-        bf16_bpt = L * 2 * H * D * 2
-        if not self.initialized:
-            return MemoryReport(0, 0, {"sink": 0, "quantized": 0, "dense": 0}, {}, {"gpu": 0, "host": 0}, 0, 0, 0.0, bf16_bpt, layers=L, format=self.config.describe())
-        e = self.formats[0].elem_bytes
-        sink_ids, block_ids = self.tables.unique_ids()
-        kinds = {"codes": 0, "scales": 0, "dense_pages": 0, "sinks": 0, "tails": 0}
-        tiers = {"gpu": 0, "host": 0}
-        for bid in block_ids:
-            tier = self.block_alloc.tier(bid)
-            for fmt in self.formats:
-                b = fmt.block_bytes()
-                kinds["codes"] += b["codes"]
-                kinds["scales"] += b["scales"]
-                kinds["dense_pages"] += b["dense"]
-                tiers[tier] += b["codes"] + b["scales"] + b["dense"]
-        sink_bytes = len(sink_ids) * L * 2 * H * P * D * e
-        kinds["sinks"] = sink_bytes
-        tail_bytes = self.batch_size * L * 2 * H * min(self.tail_len) * D * e
-        kinds["tails"] = tail_bytes
-        tiers["gpu"] += sink_bytes + tail_bytes
-        total = sum(kinds.values())
-        reserved = sum(t.numel() * t.element_size() for p in self.pages for t in p.tensors().values())
-        reserved += sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.tail_k, self.tail_v))
-        tokens, rows = self.seq_len(), self.batch_size
-        n_dense = sum(1 for f in self.formats if f.k_bits == 16 and f.v_bits == 16)
-        return MemoryReport(
-            tokens=tokens,
-            rows=rows,
-            blocks={"sink": len(sink_ids), "quantized": len(block_ids) if n_dense < L else 0, "dense": len(block_ids) if n_dense == L else 0},
-            bytes_by_kind=kinds,
-            bytes_by_tier=tiers,
-            total_bytes=total,
-            reserved_bytes=reserved,
-            bytes_per_token=total / (tokens * rows) if tokens and rows else 0.0,
-            bf16_bytes_per_token=bf16_bpt,
-            device=str(self.device),
-            format=self.config.describe(),
-            layers=L,
-        )
+        return memory_report(self)

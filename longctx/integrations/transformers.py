@@ -3,7 +3,7 @@
 `LongCtxCache(model, KVConfig(...))` builds a `PagedKVCache` for the model's decoder,
 registers the "longctx" attention in both `AttentionInterface` and `AttentionMaskInterface`
 (without the mask function transformers silently drops padding masks) and switches the
-model to it. Pass the cache as `cache=` (transformers < 5.2x: `past_key_values=`) to
+model to it. Pass the cache as `cache=` (releases before that rename: `past_key_values=`) to
 `generate()` or `model(...)`; `cache_kwargs(model, cache)` builds the right keyword.
 
 How attention finds the pages: the model calls `cache.update(k, v, layer_idx)` right

@@ -1,0 +1,86 @@
+"""Memory accounting of a PagedKVCache: what it stores, by kind and tier, per token.
+
+`memory_report(cache)` reads the cache's tables and formats; it counts stored data
+(sealed blocks, sink blocks, tail tokens held) and, apart, what the tensors reserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class MemoryReport:
+    """What the cache holds. Bytes count stored data: sealed blocks (codes, scales, 16-bit
+    pages), sink blocks and the tail tokens held; `reserved_bytes` is what the tensors
+    occupy, growth slack and tail capacity included."""
+
+    tokens: int  # per row
+    rows: int
+    blocks: dict[str, int]  # physical blocks in use: {"sink": n, "quantized": n, "dense": n}
+    bytes_by_kind: dict[str, int]  # codes, scales, dense_pages, sinks, tails
+    bytes_by_tier: dict[str, int]  # gpu, host (the "gpu" tier is the compute device's memory)
+    total_bytes: int
+    reserved_bytes: int
+    bytes_per_token: float  # total_bytes / (rows * tokens)
+    bf16_bytes_per_token: int  # a bf16 cache of the same model: K and V, all layers
+    device: str = ""
+    format: str = ""
+    layers: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ratio_to_bf16(self) -> float:
+        return self.bytes_per_token / self.bf16_bytes_per_token if self.tokens else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["ratio_to_bf16"] = self.ratio_to_bf16
+        return d
+
+
+def memory_report(cache) -> MemoryReport:
+    """Build the MemoryReport of a PagedKVCache as it stands (call cache.memory_report()
+    to seal full tail blocks first)."""
+    L, H, P, D = cache.num_layers, cache.num_kv_heads, cache.block_size, cache.head_dim
+    bf16_bpt = L * 2 * H * D * 2
+    if not cache.initialized:
+        return MemoryReport(0, 0, {"sink": 0, "quantized": 0, "dense": 0}, {}, {"gpu": 0, "host": 0}, 0, 0, 0.0, bf16_bpt, layers=L, format=cache.config.describe())
+    e = cache.formats[0].elem_bytes
+    sink_ids, block_ids = cache.tables.unique_ids()
+    kinds = {"codes": 0, "scales": 0, "dense_pages": 0, "sinks": 0, "tails": 0}
+    tiers = {"gpu": 0, "host": 0}
+    per_block = {"codes": 0, "scales": 0, "dense": 0}  # one block id, summed over layers
+    for fmt in cache.formats:
+        for kind, n in fmt.block_bytes().items():
+            per_block[kind] += n
+    block_bytes = sum(per_block.values())
+    for bid in block_ids:
+        tiers[cache.block_alloc.tier(bid)] += block_bytes
+    kinds["codes"] = per_block["codes"] * len(block_ids)
+    kinds["scales"] = per_block["scales"] * len(block_ids)
+    kinds["dense_pages"] = per_block["dense"] * len(block_ids)
+    sink_bytes = len(sink_ids) * L * 2 * H * P * D * e
+    kinds["sinks"] = sink_bytes
+    tail_bytes = cache.batch_size * L * 2 * H * min(cache.tail_len) * D * e
+    kinds["tails"] = tail_bytes
+    tiers["gpu"] += sink_bytes + tail_bytes
+    total = sum(kinds.values())
+    reserved = sum(t.numel() * t.element_size() for p in cache.pages for t in p.tensors().values())
+    reserved += sum(t.numel() * t.element_size() for t in (cache.sink_k, cache.sink_v, cache.tail_k, cache.tail_v))
+    tokens, rows = cache.seq_len(), cache.batch_size
+    n_dense = sum(1 for f in cache.formats if f.k_bits == 16 and f.v_bits == 16)
+    return MemoryReport(
+        tokens=tokens,
+        rows=rows,
+        blocks={"sink": len(sink_ids), "quantized": len(block_ids) if n_dense < L else 0, "dense": len(block_ids) if n_dense == L else 0},
+        bytes_by_kind=kinds,
+        bytes_by_tier=tiers,
+        total_bytes=total,
+        reserved_bytes=reserved,
+        bytes_per_token=total / (tokens * rows) if tokens and rows else 0.0,
+        bf16_bytes_per_token=bf16_bpt,
+        device=str(cache.device),
+        format=cache.config.describe(),
+        layers=L,
+    )
