@@ -323,7 +323,7 @@ class PagedKVCache:
         return n
 
     def _kernel_backend(self) -> str:
-        return "reference" if self.config.backend == "reference" else "auto"
+        return self.config.backend
 
     # ------------------------------------------------------------------ read
     def block_table(self) -> torch.Tensor:
@@ -354,7 +354,7 @@ class PagedKVCache:
         """All of `layer`'s keys and values, dequantized: [B, H_kv, seq_len(layer), D]."""
         view = self.view(layer)
         dtype = dtype or self.dtype
-        k, v = gather_dequant(view, backend=self._kernel_backend(), out_dtype=dtype)
+        k, v = gather_dequant(view, out_dtype=dtype)
         return torch.cat([k, view.tail_k.to(dtype)], 2), torch.cat([v, view.tail_v.to(dtype)], 2)
 
     # ------------------------------------------------------------------ rows

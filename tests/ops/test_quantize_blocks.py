@@ -34,3 +34,62 @@ def test_quantize_blocks_validates_shapes():
         quantize_blocks(torch.randn(3, 2, 8, 64), torch.randn(3, 2, 8, 64), fmt)
     with pytest.raises(BackendUnavailableError):
         quantize_blocks(torch.randn(1, 2, 16, 64), torch.randn(1, 2, 16, 64), fmt, backend="triton9")
+
+
+TRITON_FORMATS = [(8, 8, False), (4, 4, False), (2, 2, True), (8, 4, False), (16, 4, False), (4, 16, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("kb, vb, rot", TRITON_FORMATS, ids=["int8", "int4", "int2+rot", "k8v4", "k16v4", "k4v16"])
+def test_triton_quantize_matches_reference(kb, vb, rot, dtype):
+    pytest.importorskip("triton")
+    from longctx.ops.quantize_blocks.reference import quantize_blocks_reference
+    from longctx.ops.quantize_blocks.triton import quantize_blocks_triton
+    from longctx.testing import random_kv
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter's bf16 is not faithful; bf16 runs on the GPU")
+    fmt = BlockFormat(kb, vb, 16, 32, 64, 2, dtype, rot)
+    k, v = random_kv(3, 2, 16, 64, dtype=dtype, seed=kb + vb)
+    k[1, 0] = 2.5  # a constant block: scale 0, exact
+    ref = quantize_blocks_reference(k, v, fmt)
+    got = {n: t.cpu() for n, t in quantize_blocks_triton(k.to(device), v.to(device), fmt).items()}
+    assert got.keys() == ref.keys()
+    for name, r in ref.items():
+        g = got[name]
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        same = (g == r).float().mean().item()
+        # Rotation runs in torch before the kernel; on a GPU its matmul rounds differently
+        # from the CPU reference's, so rotated inputs (not the kernel) may differ by an ulp.
+        assert same == 1.0 or (rot and device == "cuda" and same >= 0.99), f"{name}: only {same:.4f} equal"
+    if kb != 16:
+        rec = dequantize_k_tensor(got, kb)
+        kr = (rotate(k) if rot else k).double()
+        step = got["k_scale"].double().unsqueeze(-2)
+        slack = 1e-5 if rot else 1e-30  # see above: the GPU's rotation of the input
+        assert ((rec - kr).abs() <= step / 2 * (1 + 1e-6) + slack).all()
+        assert (got["k_scale"][1, 0] == 0).all()
+    if vb != 16:
+        rec = dequantize_v(got["v_codes"], got["v_scale"], got["v_zero"], vb, 32, torch.float64)
+        vr = (rotate(v) if rot else v).double()
+        step = got["v_scale"].double().repeat_interleave(32, -1)
+        assert ((rec - vr).abs() <= step / 2 * (1 + 1e-6) + (1e-5 if rot else 1e-30)).all()
+
+
+def dequantize_k_tensor(got, bits):
+    from longctx.quant import dequantize_k
+
+    return dequantize_k(got["k_codes"], got["k_scale"], got["k_zero"], bits, torch.float64)
+
+
+def test_triton_quantize_rejects_nan():
+    pytest.importorskip("triton")
+    from longctx.ops.quantize_blocks.triton import quantize_blocks_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fmt = BlockFormat(4, 4, 16, 64, 64, 1, torch.float32)
+    k = torch.randn(1, 1, 16, 64, device=device)
+    k[0, 0, 3, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_blocks_triton(k, k.clone(), fmt)

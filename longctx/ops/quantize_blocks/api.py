@@ -24,10 +24,14 @@ def quantize_blocks(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, backend:
             raise ValueError(f"quantize_blocks: {name} must be [N, {expected[0]}, {expected[1]}, {expected[2]}], got {tuple(x.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"quantize_blocks: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    match backend:
-        case "auto" | "reference":
+    from ..paged_attention.api import resolve_backend
+
+    match resolve_backend(backend, k):
+        case "reference":
             from .reference import quantize_blocks_reference
 
             return quantize_blocks_reference(k, v, fmt)
-        case _:
-            raise BackendUnavailableError(f"quantize_blocks has no backend {backend!r}; available: 'reference'")
+        case "triton":
+            from .triton import quantize_blocks_triton
+
+            return quantize_blocks_triton(k, v, fmt)

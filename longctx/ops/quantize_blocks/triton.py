@@ -1,0 +1,163 @@
+"""Triton sealing kernel: N full blocks [N, H_kv, P, D] -> packed codes, scales, zero-points.
+
+One program per (block, KV head) quantizes K (per channel over the block's P tokens) and V
+(per token in groups of GS channels) in one pass, following quant.py's contract: zero-point
+rounded down and scale rounded up to the storage dtype, codes computed against the stored
+values, a constant range gives scale 0. Work is done in byte "planes" (plane r holds
+channels r, r+PER, ...; PER = 8/bits) so packing is a shift-or of planes, never an
+interleave. Rotation, when asked for, is applied in torch before the launch.
+
+Never imports the reference; tests/ops/test_quantize_blocks.py compares the two.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...quant import BlockFormat, rotate
+
+
+@triton.jit
+def _step(x, up: tl.constexpr, BITS16: tl.constexpr):
+    """The next representable value of x (in its own dtype) towards +inf (up) or -inf."""
+    if BITS16:
+        i = x.to(tl.int16, bitcast=True)
+        SIGN: tl.constexpr = -32768
+    else:
+        i = x.to(tl.int32, bitcast=True)
+        SIGN: tl.constexpr = -2147483648
+    is_zero = (i == 0) | (i == SIGN)
+    neg = i < 0  # sign bit set: a larger magnitude is a larger signed integer
+    if up:
+        j = tl.where(is_zero, 1, tl.where(neg, i - 1, i + 1))  # from 0: smallest positive subnormal
+    else:
+        j = tl.where(is_zero, SIGN + 1, tl.where(neg, i + 1, i - 1))  # from 0: smallest negative subnormal
+    return j.to(i.dtype).to(x.dtype, bitcast=True)
+
+
+@triton.jit
+def _range_to_scale(lo, hi, QMAX: tl.constexpr, SDT: tl.constexpr, BITS16: tl.constexpr):
+    """(scale, zero) in SDT with zero <= lo and zero + scale * QMAX >= hi; range math in
+    fp64 like the reference, so both store the same values."""
+    z = lo.to(SDT)
+    z = tl.where(z.to(tl.float64) > lo, _step(z, False, BITS16), z)
+    s = ((hi - z.to(tl.float64)) / QMAX).to(SDT)
+    s = tl.where(s.to(tl.float64) < (hi - z.to(tl.float64)) / QMAX, _step(s, True, BITS16), s)
+    s = tl.where(z.to(tl.float64) + s.to(tl.float64) * QMAX < hi, _step(s, True, BITS16), s)
+    return s, z
+
+
+@triton.jit
+def _codes(x, s, z, QMAX: tl.constexpr):
+    """round-half-even((x - z) / s) clamped to [0, QMAX], in fp64 (0 where s == 0)."""
+    sf = s.to(tl.float64)
+    q = tl.where(sf > 0, (x - z.to(tl.float64)) / tl.where(sf > 0, sf, 1.0), 0.0)
+    f = tl.floor(q)
+    d = q - f
+    odd = f - 2.0 * tl.floor(f * 0.5)
+    r = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + odd))
+    return tl.minimum(tl.maximum(r, 0.0), QMAX).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_kernel(
+    K, V, KC, KS, KZ, VC, VS, VZ,
+    s_x_n, s_x_h, s_x_p,
+    s_kc_n, s_kc_h, s_kc_p,
+    s_ks_n, s_ks_h,
+    s_vc_n, s_vc_h, s_vc_p,
+    s_vs_n, s_vs_h, s_vs_p,
+    H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, SDT: tl.constexpr, BITS16: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n = pid // H
+    h = pid % H
+    offs_p = tl.arange(0, P)
+    xb = n.to(tl.int64) * s_x_n + h * s_x_h
+    if K_BITS < 16:
+        PK: tl.constexpr = 8 // K_BITS
+        DK: tl.constexpr = D // PK
+        QK: tl.constexpr = (1 << K_BITS) - 1
+        offs_i = tl.arange(0, DK)
+        packed = tl.zeros((P, DK), tl.uint8)
+        for r in tl.static_range(PK):
+            ch = r + PK * offs_i
+            x = tl.load(K + xb + offs_p[:, None] * s_x_p + ch[None, :]).to(tl.float64)
+            s, z = _range_to_scale(tl.min(x, 0), tl.max(x, 0), QK, SDT, BITS16)
+            sb = n.to(tl.int64) * s_ks_n + h * s_ks_h + ch
+            tl.store(KS + sb, s)
+            tl.store(KZ + sb, z)
+            packed = packed | (_codes(x, s[None, :], z[None, :], QK) << (r * K_BITS))
+        tl.store(KC + n.to(tl.int64) * s_kc_n + h * s_kc_h + offs_p[:, None] * s_kc_p + offs_i[None, :], packed)
+    if V_BITS < 16:
+        PV: tl.constexpr = 8 // V_BITS
+        DV: tl.constexpr = D // PV
+        NG: tl.constexpr = D // GS
+        W: tl.constexpr = GS // PV  # columns of one group in one plane
+        QV: tl.constexpr = (1 << V_BITS) - 1
+        offs_j = tl.arange(0, DV)
+        lo = tl.full((P, NG), float("inf"), tl.float64)
+        hi = tl.full((P, NG), float("-inf"), tl.float64)
+        for r in tl.static_range(PV):
+            x = tl.load(V + xb + offs_p[:, None] * s_x_p + (r + PV * offs_j)[None, :]).to(tl.float64)
+            lo = tl.minimum(lo, tl.min(tl.reshape(x, (P, NG, W)), 2))
+            hi = tl.maximum(hi, tl.max(tl.reshape(x, (P, NG, W)), 2))
+        s, z = _range_to_scale(lo, hi, QV, SDT, BITS16)
+        so = n.to(tl.int64) * s_vs_n + h * s_vs_h + offs_p[:, None] * s_vs_p + tl.arange(0, NG)[None, :]
+        tl.store(VS + so, s)
+        tl.store(VZ + so, z)
+        sb = tl.reshape(tl.broadcast_to(s[:, :, None], (P, NG, W)), (P, DV))
+        zb = tl.reshape(tl.broadcast_to(z[:, :, None], (P, NG, W)), (P, DV))
+        packed = tl.zeros((P, DV), tl.uint8)
+        for r in tl.static_range(PV):
+            x = tl.load(V + xb + offs_p[:, None] * s_x_p + (r + PV * offs_j)[None, :]).to(tl.float64)
+            packed = packed | (_codes(x, sb, zb, QV) << (r * V_BITS))
+        tl.store(VC + n.to(tl.int64) * s_vc_n + h * s_vc_h + offs_p[:, None] * s_vc_p + offs_j[None, :], packed)
+
+
+_SDT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def quantize_blocks_triton(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat) -> dict[str, torch.Tensor]:
+    """Same contract as quantize_blocks_reference; NaN/Inf input raises (checked on the host)."""
+    out: dict[str, torch.Tensor] = {}
+    N, H, P, D = k.shape
+    if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+        raise ValueError("cannot quantize keys/values: some are NaN or Inf; the model produced non-finite values, nothing was sealed")
+    if fmt.k_bits == 16:
+        out["k"] = k.to(fmt.dtype)
+    if fmt.v_bits == 16:
+        out["v"] = v.to(fmt.dtype)
+    if fmt.k_bits == 16 and fmt.v_bits == 16:
+        return out
+    kq = (rotate(k) if fmt.rotate else k).contiguous()
+    vq = (rotate(v) if fmt.rotate else v).contiguous()
+    dev, dt = k.device, fmt.dtype
+    u8 = torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=dev)
+    f = torch.zeros(1, 1, 1, 1, dtype=dt, device=dev)
+    if fmt.k_bits != 16:
+        out["k_codes"] = torch.empty(N, H, P, D * fmt.k_bits // 8, dtype=torch.uint8, device=dev)
+        out["k_scale"] = torch.empty(N, H, D, dtype=dt, device=dev)
+        out["k_zero"] = torch.empty(N, H, D, dtype=dt, device=dev)
+    if fmt.v_bits != 16:
+        out["v_codes"] = torch.empty(N, H, P, D * fmt.v_bits // 8, dtype=torch.uint8, device=dev)
+        out["v_scale"] = torch.empty(N, H, P, D // fmt.group_size, dtype=dt, device=dev)
+        out["v_zero"] = torch.empty(N, H, P, D // fmt.group_size, dtype=dt, device=dev)
+    KC, KS, KZ = (out["k_codes"], out["k_scale"], out["k_zero"]) if fmt.k_bits != 16 else (u8, f[0], f[0])
+    VC, VS, VZ = (out["v_codes"], out["v_scale"], out["v_zero"]) if fmt.v_bits != 16 else (u8, f, f)
+    if N == 0:
+        return out
+    _quantize_kernel[(N * H,)](
+        kq, vq, KC, KS, KZ, VC, VS, VZ,
+        kq.stride(0), kq.stride(1), kq.stride(2),
+        KC.stride(0), KC.stride(1), KC.stride(2),
+        KS.stride(0), KS.stride(1),
+        VC.stride(0), VC.stride(1), VC.stride(2),
+        VS.stride(0), VS.stride(1), VS.stride(2),
+        H=H, P=P, D=D, GS=fmt.group_size, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
+        SDT=_SDT[dt], BITS16=dt != torch.float32, num_warps=4,
+    )
+    return out
