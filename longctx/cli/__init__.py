@@ -12,6 +12,7 @@ import typer
 
 from .bench import app as bench_app
 from .eval import app as eval_app
+from .info import info
 
 app = typer.Typer(
     name="longctx",
@@ -22,6 +23,7 @@ app = typer.Typer(
 )
 app.add_typer(eval_app, name="eval")
 app.add_typer(bench_app, name="bench")
+app.command("info")(info)
 
 
 def main(argv: list[str] | None = None) -> None:
