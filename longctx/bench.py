@@ -57,18 +57,18 @@ def synthetic_view(batch: int, context: int, kv_heads: int, head_dim: int, cfg: 
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * 0.5).to(dtype).to(device)
 
-    def codes(bits, *shape):
+    def codes(*shape):
         return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).to(device)
 
     if fmt.k_bits == 16:
         pages.k = rnd(n, H, P, D)
     else:
-        pages.k_codes = codes(fmt.k_bits, n, H, P, D * fmt.k_bits // 8)
+        pages.k_codes = codes(n, H, P, D * fmt.k_bits // 8)
         pages.k_scale, pages.k_zero = rnd(n, H, D).abs() * 0.1, rnd(n, H, D)
     if fmt.v_bits == 16:
         pages.v = rnd(n, H, P, D)
     else:
-        pages.v_codes = codes(fmt.v_bits, n, H, P, D * fmt.v_bits // 8)
+        pages.v_codes = codes(n, H, P, D * fmt.v_bits // 8)
         pages.v_scale, pages.v_zero = rnd(n, H, P, D // fmt.group_size).abs() * 0.1, rnd(n, H, P, D // fmt.group_size)
     table = torch.randperm(n, generator=g).to(torch.int32).reshape(batch, n_blocks)
     ns = min(cfg.sink_blocks, n_blocks)

@@ -288,7 +288,7 @@ class PagedKVCache:
             for l, fmt in enumerate(self.formats):
                 k = blocks_k[l][rs, :, js]  # [M, H, P, D]
                 v = blocks_v[l][rs, :, js]
-                sealed.append(quantize_blocks(k, v, fmt, backend=self._kernel_backend()))
+                sealed.append(quantize_blocks(k, v, fmt, backend=self.config.backend))
         # 3. Commit: ids, tables, pools, tails.
         sink_ids = self.sink_alloc.allocate(n_sink_new)
         quant_ids = self.block_alloc.allocate(n_quant_new)
@@ -322,9 +322,6 @@ class PagedKVCache:
         self.seals += n_sink_new + n_quant_new
         self._table_tensor = None
         return n
-
-    def _kernel_backend(self) -> str:
-        return self.config.backend
 
     # ------------------------------------------------------------------ read
     def block_table(self) -> torch.Tensor:

@@ -61,7 +61,7 @@ def quanto_cache(bits: int = 4):
     return build
 
 
-def _release(model, cache) -> None:
+def _release(cache) -> None:
     detach = getattr(cache, "detach", None)
     if detach is not None:
         detach()
@@ -121,7 +121,7 @@ def perplexity(
         prefill(model, cache, ids, chunk=chunk, on_chunk=score)
         report = cache.memory_report() if hasattr(cache, "memory_report") else None
     finally:
-        _release(model, cache)
+        _release(cache)
     n = targets.shape[0]
     nll = float(nll_sum) / n
     return PerplexityResult(
@@ -184,7 +184,7 @@ def passkey(
         try:
             out, _ = greedy(model, cache, ids, max_new_tokens=8, chunk=chunk)
         finally:
-            _release(model, cache)
+            _release(cache)
         answer = tokenizer.decode(out, skip_special_tokens=True)
         results.append(PasskeyResult(spec_name(kv), depth, key, answer.strip(), key in answer, ids.shape[1]))
     return results

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 
 @dataclass
@@ -27,7 +27,6 @@ class MemoryReport:
     device: str = ""
     format: str = ""
     layers: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def ratio_to_bf16(self) -> float:

@@ -53,12 +53,7 @@ def test_triton_decode_within_budget(case, dtype):
     B, T, Hq, Hkv, D, P, kw, pad, sp = case
     cfg = KVConfig(block_size=P, **kw)
     cache, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=dtype, seed=T)
-    cache_dev = cache
-    if DEVICE == "cuda":
-        cache_dev, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=dtype, seed=T)
-    view = cache_dev.view(0)
-    if DEVICE == "cuda":
-        view = _to(view, "cuda")
+    view = _to(cache.view(0), DEVICE)
     q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(T + 1)).to(dtype)
     start = torch.tensor([min(4 * b + 1, T - 1) for b in range(B)], dtype=torch.int32) if pad else None
     qd = q.to(DEVICE)
@@ -86,7 +81,7 @@ def test_dispatch_and_padding_query():
     cfg = KVConfig(bits=4, block_size=16)  # the cache is filled on the CPU; only attention runs on DEVICE
     cache, k, v = fill(cfg, 2, 40, 1, 2, 64)
     q = torch.randn(2, 4, 1, 64)
-    view = cache.view(0) if DEVICE == "cpu" else _to(cache.view(0), "cuda")
+    view = _to(cache.view(0), DEVICE)
     start = torch.tensor([0, 40], dtype=torch.int32, device=DEVICE)  # row 1 sees nothing
     out, lse = paged_attention(q.to(DEVICE), view, start=start, backend="triton")
     assert torch.isfinite(out).all() and (out[1] == 0).all() and torch.isneginf(lse[1]).all()
