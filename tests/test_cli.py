@@ -39,3 +39,37 @@ def test_known_errors_are_one_line_with_exit_code_2():
         assert p.returncode == 2, (args, p.stderr)
         lines = [line for line in p.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:"), p.stderr
+
+
+# ---------------------------------------------------------------------- chat (embedded model)
+def run_cli(args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "longctx", *args], input=stdin, capture_output=True, text=True, timeout=600)
+
+
+def test_chat_prompt_answers_once():
+    p = run_cli(["chat", "--prompt", "What is the capital of France?"])
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout
+
+
+def test_chat_interactive_through_stdin(tmp_path):
+    transcript = tmp_path / "t.md"
+    script = f"Hello! Who are you?\n/stats\n/save {transcript}\n/reset\n/stats\nName a color.\n/exit\nnot read\n"
+    p = run_cli(["chat", "--temperature", "0", "--max-new-tokens", "16", "--kv-bits", "4", "--block-size", "16"], stdin=script)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("Cache and speed") == 2
+    assert "conversation reset" in p.stdout
+    text = transcript.read_text()
+    assert "Hello! Who are you?" in text and "**assistant**" in text
+    assert "Name a color" not in text  # saved before the second question
+    tables = p.stdout.split("Cache and speed")
+    assert "16 tokens" in tables[1]  # the first turn decoded 16 tokens
+
+
+def test_chat_bad_inputs_are_one_line_errors(tmp_path):
+    for args in (["chat", "--kv-bits", "3", "--prompt", "x"], ["chat", "--file", str(tmp_path / "missing.txt")],
+                 ["chat", "--model", str(tmp_path / "none.gguf"), "--prompt", "x"], ["chat", "--device", "tpu"]):
+        p = run_cli(args)
+        assert p.returncode == 2, (args, p.stderr)
+        lines = [line for line in p.stderr.splitlines() if line.strip() and "Converting" not in line and "Loading" not in line]
+        assert len(lines) == 1 and lines[0].startswith("error:"), (args, p.stderr)

@@ -11,6 +11,7 @@ import sys
 import typer
 
 from .bench import app as bench_app
+from .chat import chat
 from .eval import app as eval_app
 from .info import info
 
@@ -24,6 +25,7 @@ app = typer.Typer(
 app.add_typer(eval_app, name="eval")
 app.add_typer(bench_app, name="bench")
 app.command("info")(info)
+app.command("chat")(chat)
 
 
 def main(argv: list[str] | None = None) -> None:

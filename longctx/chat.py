@@ -1,0 +1,190 @@
+"""A multi-turn chat over one long-lived cache: only each new turn's tokens are prefilled.
+
+`ChatSession` keeps the conversation, the token ids already in the cache and the cache
+itself. A turn renders the whole conversation with the tokenizer's chat template, keeps
+the longest prefix the cache already holds (cropping the cache if the template tokenizes
+the history differently), prefills the rest in chunks and streams the answer. An
+interrupted turn (Ctrl-C) keeps what was generated and the cache stays consistent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .generate import GenerationStats, prefill
+from .integrations.transformers import cache_kwargs
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 512
+    temperature: float = 0.7  # 0: greedy
+    top_p: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> int:
+    """Next token from logits [V]: greedy at temperature 0, else nucleus sampling."""
+    if cfg.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    if cfg.top_p < 1:
+        sorted_p, idx = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < cfg.top_p
+        probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class ChatSession:
+    """model, tokenizer and a cache (any transformers Cache; LongCtxCache for paged KV)."""
+
+    model: object
+    tokenizer: object
+    cache: object
+    system: str | None = None
+    chunk: int = 512
+    max_context: int | None = None
+    messages: list[dict] = field(default_factory=list)
+    cached_ids: list[int] = field(default_factory=list)  # exactly the tokens the cache holds
+    last: GenerationStats = field(default_factory=GenerationStats)
+
+    def __post_init__(self) -> None:
+        if self.system:
+            self.messages.append({"role": "system", "content": self.system})
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays) and empty the cache."""
+        self.messages = [m for m in self.messages if m["role"] == "system"]
+        self.cache.reset()
+        self.cached_ids = []
+
+    def _render(self, generation_prompt: bool = True) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=generation_prompt, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _sync_prefix(self, full: list[int]) -> list[int]:
+        """Crop the cache to the part of `full` it already holds; return the rest."""
+        keep = _common_prefix(self.cached_ids, full)
+        if keep == len(full):  # always feed at least one token to get logits
+            keep -= 1
+        if keep < len(self.cached_ids):
+            self.cache.crop(keep)
+            self.cached_ids = self.cached_ids[:keep]
+        return full[keep:]
+
+    @torch.inference_mode()
+    def preload(self, on_prefill: Callable[[int, int], None] | None = None) -> int:
+        """Prefill the conversation so far (e.g. a long system document) before any
+        question, so the first turn only prefills its own tokens. Returns tokens fed."""
+        new = self._sync_prefix(self._render(generation_prompt=False))
+        base, fed = list(self.cached_ids), [0]
+
+        def progress(done: int, _logits) -> None:
+            fed[0] = done
+            if on_prefill is not None:
+                on_prefill(done, len(new))
+
+        t0 = time.perf_counter()
+        try:
+            prefill(self.model, self.cache, torch.tensor([new], device=self.model.device), chunk=self.chunk, on_chunk=progress)
+        finally:
+            self.cached_ids = base + new[: fed[0]]
+        self.last = GenerationStats(prompt_tokens=len(new), prefill_s=time.perf_counter() - t0)
+        return len(new)
+
+    @torch.inference_mode()
+    def send(
+        self,
+        text: str,
+        sampling: SamplingConfig | None = None,
+        on_token: Callable[[str], None] | None = None,
+        on_prefill: Callable[[int, int], None] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> str:
+        """Add a user turn, stream the reply's text pieces to on_token, return the reply.
+
+        on_prefill(tokens_done, tokens_total) reports prefill progress.
+        """
+        sampling = sampling or SamplingConfig()
+        self.messages.append({"role": "user", "content": text})
+        new = self._sync_prefix(self._render())
+        if self.max_context is not None and len(self.cached_ids) + len(new) + sampling.max_new_tokens > self.max_context:
+            self.messages.pop()
+            raise ValueError(
+                f"this turn needs {len(self.cached_ids) + len(new) + sampling.max_new_tokens} tokens of context "
+                f"(history {len(self.cached_ids)}, new {len(new)}, answer up to {sampling.max_new_tokens}); "
+                f"--max-context is {self.max_context}. /reset, or raise --max-context"
+            )
+        stats = GenerationStats(prompt_tokens=len(new))
+        t0 = time.perf_counter()
+        ids = torch.tensor([new], device=self.model.device)
+
+        base, fed = list(self.cached_ids), [0]
+
+        def progress(done: int, _logits) -> None:
+            fed[0] = done
+            if on_prefill is not None:
+                on_prefill(done, len(new))
+
+        try:
+            logits = prefill(self.model, self.cache, ids, chunk=self.chunk, on_chunk=progress)
+        finally:
+            # Interrupted mid-chunk: the cache keeps only whole steps, and the next turn
+            # crops it to the prefix both agree on.
+            self.cached_ids = base + new[: fed[0]]
+        stats.prefill_s = time.perf_counter() - t0
+        eos = self.tokenizer.eos_token_id
+        reply_ids: list[int] = []
+        shown = ""  # text streamed so far: decode the whole reply, emit the new suffix
+        kw = cache_kwargs(self.model, self.cache)
+        t0 = time.perf_counter()
+        try:
+            for _ in range(sampling.max_new_tokens):
+                tok = sample(logits[0], sampling, generator)
+                if tok == eos:
+                    break
+                reply_ids.append(tok)
+                if on_token is not None:
+                    text_now = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
+                    if not text_now.endswith("\ufffd"):  # wait for a whole UTF-8 character
+                        on_token(text_now[len(shown):])
+                        shown = text_now
+                out = self.model(input_ids=torch.tensor([[tok]], device=self.model.device), use_cache=True, **kw)
+                self.cached_ids.append(tok)
+                logits = out.logits[:, -1].float()
+        finally:
+            stats.decode_s = time.perf_counter() - t0
+            stats.new_tokens = len(reply_ids)
+            self.last = stats
+            reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
+            self.messages.append({"role": "assistant", "content": reply})
+        return reply
+
+    def transcript_markdown(self) -> str:
+        lines = ["# longctx chat transcript", ""]
+        for m in self.messages:
+            lines += [f"**{m['role']}**", "", m["content"], ""]
+        return "\n".join(lines)

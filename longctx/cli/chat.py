@@ -1,0 +1,162 @@
+"""`longctx chat`: chat with a model over a paged, quantized KV cache."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+HELP = """Commands: /stats (cache and speed), /reset (forget the conversation), /save FILE
+(transcript as Markdown), /help, /exit. Ctrl-C stops the current answer."""
+
+
+def _stats_table(session) -> Table:
+    t = Table(title="Cache and speed", show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    report = session.cache.memory_report()
+    t.add_row("tokens", f"{report.tokens:,}")
+    t.add_row("blocks (sink / quantized / 16-bit)", f"{report.blocks['sink']} / {report.blocks['quantized']} / {report.blocks['dense']}")
+    for kind, n in report.bytes_by_kind.items():
+        t.add_row(f"bytes: {kind}", f"{n:,}")
+    for tier, n in report.bytes_by_tier.items():
+        t.add_row(f"bytes on {tier}", f"{n:,}")
+    t.add_row("bytes/token (vs bf16)", f"{report.bytes_per_token:,.0f} ({report.ratio_to_bf16:.3f}x)" if report.tokens else "-")
+    s = session.last
+    t.add_row("last turn prefill", f"{s.prompt_tokens} tokens, {s.prefill_tok_s:,.1f} tok/s")
+    t.add_row("last turn decode", f"{s.new_tokens} tokens, {s.decode_tok_s:,.1f} tok/s")
+    return t
+
+
+def chat(
+    model: str = typer.Option(None, "--model", help="hub id, local dir or .gguf file (default: embedded SmolLM2-135M-Instruct)"),
+    kv_bits: int = typer.Option(4, "--kv-bits", help="16, 8, 4 or 2"),
+    k_bits: int = typer.Option(None, "--k-bits", help="override the bits of keys"),
+    v_bits: int = typer.Option(None, "--v-bits", help="override the bits of values"),
+    rotate: bool = typer.Option(False, "--rotate", help="Hadamard rotation (recommended at 2 bits)"),
+    block_size: int = typer.Option(64, "--block-size", help="tokens per page"),
+    load_in_4bit: bool = typer.Option(False, "--load-in-4bit", help="bitsandbytes 4-bit weights (CUDA)"),
+    load_in_8bit: bool = typer.Option(False, "--load-in-8bit", help="bitsandbytes 8-bit weights (CUDA)"),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens"),
+    temperature: float = typer.Option(0.7, "--temperature", help="0 for greedy"),
+    top_p: float = typer.Option(0.9, "--top-p"),
+    seed: int = typer.Option(0, "--seed", help="sampling seed"),
+    system: str = typer.Option(None, "--system", help="system prompt"),
+    file: Path = typer.Option(None, "--file", help="a document to place into the context (prefilled in chunks)"),
+    prompt: str = typer.Option(None, "--prompt", help="answer this once and exit (for scripts)"),
+    max_context: int = typer.Option(None, "--max-context", help="refuse turns that would exceed this many tokens"),
+    chunk: int = typer.Option(512, "--chunk", help="prefill chunk in tokens"),
+) -> None:
+    """Chat with a model; the KV cache is kept across turns (only new tokens are prefilled).
+
+    Examples:
+      longctx chat
+      longctx chat --prompt "What is the capital of France?"
+      longctx chat --model ./Llama-3.1-8B-Instruct --load-in-4bit --kv-bits 4 --file report.txt
+    """
+    import torch
+
+    from ..chat import ChatSession, SamplingConfig
+    from ..config import KVConfig
+    from ..integrations.transformers import LongCtxCache
+    from ..models import load_model
+
+    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if file is not None and not file.is_file():
+        raise FileNotFoundError(f"--file: no such file {file}")
+    kv = KVConfig(bits=kv_bits, k_bits=k_bits, v_bits=v_bits, rotate=rotate, block_size=block_size)
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    err = Console(stderr=True)
+    out = Console(highlight=False)
+    with err.status("loading model..."):
+        mdl, tok = load_model(model, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, device=None if device == "auto" else device)
+    if file is not None:
+        doc = file.read_text(encoding="utf-8", errors="replace")
+        system = ((system + "\n\n") if system else "") + f"Document ({file.name}):\n\n{doc}"
+    session = ChatSession(mdl, tok, LongCtxCache(mdl, kv), system=system, chunk=chunk, max_context=max_context)
+    gen = torch.Generator(device=mdl.device).manual_seed(seed)
+
+    class Bar:
+        """A prefill progress bar with tokens/s, shown only for long prefills."""
+
+        def __init__(self):
+            self.progress = Progress(TextColumn("prefill"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} tokens"),
+                                     TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err, transient=True)
+            self.task, self.t0 = None, time.perf_counter()
+
+        def __call__(self, done: int, total: int) -> None:
+            if total < 2 * chunk:
+                return
+            if self.task is None:
+                self.progress.start()
+                self.task = self.progress.add_task("prefill", total=total, rate="")
+            self.progress.update(self.task, completed=done, rate=f"{done / max(1e-9, time.perf_counter() - self.t0):,.0f} tok/s")
+
+        def close(self) -> None:
+            if self.task is not None:
+                self.progress.stop()
+
+    if file is not None:
+        bar = Bar()
+        try:
+            n = session.preload(on_prefill=bar)
+        finally:
+            bar.close()
+        err.print(f"{file.name}: {n:,} tokens in the context ({session.last.prefill_tok_s:,.0f} tok/s)")
+
+    def answer(text: str) -> None:
+        bar = Bar()
+        try:
+            session.send(text, sampling, on_token=lambda piece: out.print(piece, end="", soft_wrap=True), on_prefill=bar, generator=gen)
+        except KeyboardInterrupt:
+            out.print("\n[interrupted: the answer so far is kept]", style="yellow")
+        finally:
+            bar.close()
+        out.print()
+
+    if prompt is not None:
+        answer(prompt)
+        return
+    interactive = sys.stdin.isatty()
+    if interactive:
+        out.print(f"longctx chat: {kv.describe()} KV cache. {HELP}", style="dim")
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            out.print()
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, arg = text.partition(" ")
+            match cmd:
+                case "/exit" | "/quit":
+                    break
+                case "/help":
+                    out.print(HELP)
+                case "/reset":
+                    session.reset()
+                    out.print("conversation reset")
+                case "/stats":
+                    out.print(_stats_table(session))
+                case "/save":
+                    if not arg.strip():
+                        out.print("usage: /save FILE", style="red")
+                        continue
+                    Path(arg.strip()).write_text(session.transcript_markdown(), encoding="utf-8")
+                    out.print(f"saved to {arg.strip()}")
+                case _:
+                    out.print(f"unknown command {cmd}; {HELP}", style="red")
+            continue
+        answer(text)
