@@ -81,7 +81,7 @@ class ChatSession:
 
     def _render(self, generation_prompt: bool = True) -> list[int]:
         ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=generation_prompt, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
+        if hasattr(ids, "keys"):  # a BatchEncoding on some transformers releases
             ids = ids["input_ids"]
         return list(ids)
 
@@ -100,6 +100,15 @@ class ChatSession:
         """Prefill the conversation so far (e.g. a long system document) before any
         question, so the first turn only prefills its own tokens. Returns tokens fed."""
         new = self._sync_prefix(self._render(generation_prompt=False))
+        t0 = time.perf_counter()
+        self._feed(new, on_prefill)
+        self.last = GenerationStats(prompt_tokens=len(new), prefill_s=time.perf_counter() - t0)
+        return len(new)
+
+    def _feed(self, new: list[int], on_prefill: Callable[[int, int], None] | None) -> torch.Tensor:
+        """Prefill `new` after the cached tokens; returns the last logits. cached_ids
+        follows the chunks that completed, also when interrupted: a chunk cut short leaves
+        the cache at whole steps, and the next turn crops it to the prefix both agree on."""
         base, fed = list(self.cached_ids), [0]
 
         def progress(done: int, _logits) -> None:
@@ -107,13 +116,10 @@ class ChatSession:
             if on_prefill is not None:
                 on_prefill(done, len(new))
 
-        t0 = time.perf_counter()
         try:
-            prefill(self.model, self.cache, torch.tensor([new], device=self.model.device), chunk=self.chunk, on_chunk=progress)
+            return prefill(self.model, self.cache, torch.tensor([new], device=self.model.device), chunk=self.chunk, on_chunk=progress)
         finally:
             self.cached_ids = base + new[: fed[0]]
-        self.last = GenerationStats(prompt_tokens=len(new), prefill_s=time.perf_counter() - t0)
-        return len(new)
 
     @torch.inference_mode()
     def send(
@@ -140,21 +146,7 @@ class ChatSession:
             )
         stats = GenerationStats(prompt_tokens=len(new))
         t0 = time.perf_counter()
-        ids = torch.tensor([new], device=self.model.device)
-
-        base, fed = list(self.cached_ids), [0]
-
-        def progress(done: int, _logits) -> None:
-            fed[0] = done
-            if on_prefill is not None:
-                on_prefill(done, len(new))
-
-        try:
-            logits = prefill(self.model, self.cache, ids, chunk=self.chunk, on_chunk=progress)
-        finally:
-            # Interrupted mid-chunk: the cache keeps only whole steps, and the next turn
-            # crops it to the prefix both agree on.
-            self.cached_ids = base + new[: fed[0]]
+        logits = self._feed(new, on_prefill)
         stats.prefill_s = time.perf_counter() - t0
         eos = self.tokenizer.eos_token_id
         reply_ids: list[int] = []

@@ -64,6 +64,7 @@ def chat(
 
     from ..chat import ChatSession, SamplingConfig
     from ..config import KVConfig
+    from ..errors import LongCtxError
     from ..integrations.transformers import LongCtxCache
     from ..models import load_model
 
@@ -159,4 +160,7 @@ def chat(
                 case _:
                     out.print(f"unknown command {cmd}; {HELP}", style="red")
             continue
-        answer(text)
+        try:
+            answer(text)
+        except (ValueError, LongCtxError) as e:  # e.g. --max-context reached: say so, keep chatting
+            out.print(f"error: {e}", style="red")
