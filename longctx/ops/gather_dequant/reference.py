@@ -18,7 +18,7 @@ def gather_dequant_reference(view: PagedView, out_dtype: torch.dtype):
     pages, fmt = view.pages, view.pages.fmt
     table = view.block_table.long()
     B, n = table.shape
-    H, P, D = fmt.num_kv_heads, fmt.block_size, fmt.head_dim
+    H, D = fmt.num_kv_heads, fmt.head_dim
     ns = min(view.n_sink, n)
     k_parts, v_parts = [], []
     if ns:

@@ -9,12 +9,9 @@ Tests: tests/ops/test_paged_attention.py.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
-from ...errors import BackendUnavailableError
+from ..backend import resolve_backend
 from ..pages import PagedView
 
 
@@ -71,27 +68,6 @@ def paged_attention(
             from .triton import paged_decode_triton
 
             return paged_decode_triton(q, view, start, D**-0.5 if scale is None else scale, return_lse)
-
-
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """"auto" -> "triton" for CUDA tensors when triton imports, else "reference"."""
-    match backend:
-        case "auto":
-            return "triton" if q.is_cuda and triton_available() else "reference"
-        case "reference":
-            return "reference"
-        case "triton":
-            if not triton_available():
-                raise BackendUnavailableError("backend 'triton' needs the triton package: pip install 'longctx[gpu]'")
-            if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-                raise BackendUnavailableError("backend 'triton' runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1)")
-            return "triton"
-        case _:
-            raise BackendUnavailableError(f"paged_attention has no backend {backend!r}; available: 'auto', 'reference', 'triton'")
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def dense_attention(

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import BackendUnavailableError
 from ...quant import BlockFormat
+from ..backend import resolve_backend
 
 
 def quantize_blocks(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, backend: str = "auto") -> dict[str, torch.Tensor]:
@@ -24,8 +24,6 @@ def quantize_blocks(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, backend:
             raise ValueError(f"quantize_blocks: {name} must be [N, {expected[0]}, {expected[1]}, {expected[2]}], got {tuple(x.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"quantize_blocks: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    from ..paged_attention.api import resolve_backend
-
     match resolve_backend(backend, k):
         case "reference":
             from .reference import quantize_blocks_reference
