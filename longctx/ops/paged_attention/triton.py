@@ -25,6 +25,7 @@ from ...quant import hadamard
 from ..pages import PagedView
 
 NEG_BIG = tl.constexpr(-1.0e30)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 # Layout: a byte of int4 codes holds channels 2i (low nibble) and 2i+1; of int2 codes,
@@ -33,23 +34,71 @@ NEG_BIG = tl.constexpr(-1.0e30)
 # PER = 8/bits "sub-tiles": sub-tile r holds channels r, r+PER, r+2*PER... The query is
 # loaded split the same way for K, and the output is accumulated per sub-tile for V and
 # written back to its strided channels at the end. 8- and 16-bit sides use PER = 1.
+#
+# Codes become floats without int->float conversion instructions (a quarter-rate unit on
+# recent GPUs, and the bound of the first kernels): OR-ing a code c < 2^10 into the bits of
+# fp16 1024.0 gives the fp16 1024 + c exactly; into fp32 2^23, the fp32 2^23 + c. The fp16
+# form goes straight into tensor-core dots, its 1024 offset folded into the zero-point term.
 
 
 @triton.jit
-def _sub(x, r: tl.constexpr, BITS: tl.constexpr):
-    """Codes of sub-tile r of a byte tile, as fp32."""
+def _code(x, r: tl.constexpr, BITS: tl.constexpr):
+    """Codes of sub-tile r of a tile of code bytes (already widened to int32)."""
     if BITS >= 8:
-        return x.to(tl.float32)
-    return ((x >> (r * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        return x
+    return (x >> (r * BITS)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _f32(x, r: tl.constexpr, BITS: tl.constexpr):
+    """Sub-tile r as fp32 codes, exact: (2^23 + c) - 2^23."""
+    return (_code(x, r, BITS) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _f16_1024(x, r: tl.constexpr, BITS: tl.constexpr):
+    """Sub-tile r as fp16 1024 + code, exact (codes < 2^10)."""
+    return (_code(x, r, BITS) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _pick(x0, x1, x2, x3, r: tl.constexpr):
+    if r == 0:
+        return x0
+    elif r == 1:
+        return x1
+    elif r == 2:
+        return x2
+    else:
+        return x3
 
 
 @triton.jit
 def _softmax_step(s, m_i, l_i):
-    """Online softmax over one block of scores s [G_PAD, P] (masked = -inf)."""
+    """Online softmax, base 2, over one block of scores s [G_PAD, P] (masked = -inf)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
     return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
+def _acc(a0, a1, a2, a3, alpha, p, v0, v1, v2, v3, PV: tl.constexpr, PREC: tl.constexpr):
+    """Rescale the PV sub-tile accumulators by alpha and add p @ v_r (v None: rescale only)."""
+    a0 = a0 * alpha[:, None]
+    if PV > 1:
+        a1 = a1 * alpha[:, None]
+    if PV > 2:
+        a2 = a2 * alpha[:, None]
+        a3 = a3 * alpha[:, None]
+    if v0 is not None:
+        a0 += tl.dot(p, v0, input_precision=PREC)
+        if PV > 1:
+            a1 += tl.dot(p, v1, input_precision=PREC)
+        if PV > 2:
+            a2 += tl.dot(p, v2, input_precision=PREC)
+            a3 += tl.dot(p, v3, input_precision=PREC)
+    return a0, a1, a2, a3
 
 
 @triton.jit
@@ -59,31 +108,35 @@ def _load_q(Q, base, offs_g, gmask, r: tl.constexpr, PER: tl.constexpr, DS: tl.c
 
 
 @triton.jit
+def _store(O, off, a0, a1, a2, a3, inv, om, PV: tl.constexpr):
+    tl.store(O + off, (a0 * inv).to(O.dtype.element_ty), mask=om)
+    if PV > 1:
+        tl.store(O + off + 1, (a1 * inv).to(O.dtype.element_ty), mask=om)
+    if PV > 2:
+        tl.store(O + off + 2, (a2 * inv).to(O.dtype.element_ty), mask=om)
+        tl.store(O + off + 3, (a3 * inv).to(O.dtype.element_ty), mask=om)
+
+
+@triton.jit
 def _decode_kernel(
     Q, QR, TABLE, START,
     SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, TAIL_K, TAIL_V,
     O, OR, LSE,
-    stride_qb, stride_qh,
-    stride_tb,
-    s_sk_n, s_sk_h, s_sk_p,
-    s_kd_n, s_kd_h, s_kd_p,
-    s_vd_n, s_vd_h, s_vd_p,
-    s_kc_n, s_kc_h, s_kc_p,
-    s_ks_n, s_ks_h,
-    s_vc_n, s_vc_h, s_vc_p,
-    s_vs_n, s_vs_h, s_vs_p,
-    s_tk_b, s_tk_h, s_tk_p,
-    s_o_b, s_o_h, s_o_s,
-    s_l_b, s_l_h,
-    n_blocks, n_sink, tail_len, blocks_per_split, scale,
+    stride_qb, stride_qh, stride_tb, s_tk_b, s_tk_h, s_tk_p,
+    n_blocks, n_sink, tail_len, blocks_per_split, scale, n_splits,
     H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
-    HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr,
 ):
+    """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
+    scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
+    n_splits, D] and LSE [B, H*G, n_splits]. K16/V16: quantized K/V go through fp16 dots
+    (DOT is 16-bit), else through DOT with fp32 dequantization."""
     PK: tl.constexpr = 8 // K_BITS if K_BITS < 8 else 1
     PV: tl.constexpr = 8 // V_BITS if V_BITS < 8 else 1
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
+    NG: tl.constexpr = D // GS
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // H
@@ -95,6 +148,7 @@ def _decode_kernel(
     offs_v = tl.arange(0, DV)
     gmask = offs_g < G
     qbase = b * stride_qb + h * G * stride_qh
+    scale = scale * LOG2E  # scores in base 2
     q = _load_q(Q, qbase, offs_g, gmask, 0, 1, D, stride_qh, scale)  # unrotated: sinks, tail
     QP = QR if ROTATE else Q  # the query of the sealed pages
     qp = _load_q(QP, qbase, offs_g, gmask, 0, 1, D, stride_qh, scale)
@@ -135,9 +189,9 @@ def _decode_kernel(
             t = (j - n_blocks) * P + offs_p
             if is_sink:
                 blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
-                kbase = SINK_K + blk * s_sk_n + h * s_sk_h
-                vbase = SINK_V + blk * s_sk_n + h * s_sk_h
-                sp = s_sk_p
+                kbase = SINK_K + (blk * H + h) * P * D
+                vbase = SINK_V + (blk * H + h) * P * D
+                sp = D
                 valid = offs_p >= 0
                 pos = j * P + offs_p
             else:
@@ -150,99 +204,101 @@ def _decode_kernel(
             s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
             s = tl.where((valid & (pos >= start))[None, :], s, float("-inf"))
             m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
-            p = p.to(DOT)
             vptr = vbase + offs_p[:, None] * sp + PV * offs_v[None, :]
-            a0 = a0 * alpha[:, None] + tl.dot(p, tl.load(vptr, mask=valid[:, None], other=0.0).to(DOT), input_precision=PREC)
+            vm = valid[:, None]
+            v0 = tl.load(vptr, mask=vm, other=0.0).to(DOT)
+            v1 = v0
+            v2 = v0
+            v3 = v0
             if PV > 1:
-                a1 = a1 * alpha[:, None] + tl.dot(p, tl.load(vptr + 1, mask=valid[:, None], other=0.0).to(DOT), input_precision=PREC)
+                v1 = tl.load(vptr + 1, mask=vm, other=0.0).to(DOT)
             if PV > 2:
-                a2 = a2 * alpha[:, None] + tl.dot(p, tl.load(vptr + 2, mask=valid[:, None], other=0.0).to(DOT), input_precision=PREC)
-                a3 = a3 * alpha[:, None] + tl.dot(p, tl.load(vptr + 3, mask=valid[:, None], other=0.0).to(DOT), input_precision=PREC)
+                v2 = tl.load(vptr + 2, mask=vm, other=0.0).to(DOT)
+                v3 = tl.load(vptr + 3, mask=vm, other=0.0).to(DOT)
+            a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, p.to(DOT), v0, v1, v2, v3, PV, PREC)
             if ROTATE:
-                r0 = r0 * alpha[:, None]
-                r1 = r1 * alpha[:, None]
-                r2 = r2 * alpha[:, None]
-                r3 = r3 * alpha[:, None]
+                r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, p, None, None, None, None, PV, PREC)
 
     # 2. sealed pages: K scores fold per-channel scales into the query, (q*s).codes + q.z
     for j in range(tl.maximum(lo, n_sink), tl.minimum(hi, n_blocks)):
         blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
+        bh = blk * H + h
         if K_BITS == 16:
-            k = tl.load(KD + blk * s_kd_n + h * s_kd_h + offs_p[:, None] * s_kd_p + offs_d[None, :])
+            k = tl.load(KD + bh * P * D + offs_p[:, None] * D + offs_d[None, :])
             s = tl.dot(qp.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
         else:
-            xk = tl.load(KC + blk * s_kc_n + h * s_kc_h + offs_p[:, None] * s_kc_p + offs_k[None, :])
-            ksb = KS + blk * s_ks_n + h * s_ks_h + PK * offs_k
-            s = tl.dot((qp0 * tl.load(ksb).to(tl.float32)[None, :]).to(DOT), tl.trans(_sub(xk, 0, K_BITS).to(DOT)), input_precision=PREC)
-            if PK > 1:
-                s += tl.dot((qp1 * tl.load(ksb + 1).to(tl.float32)[None, :]).to(DOT), tl.trans(_sub(xk, 1, K_BITS).to(DOT)), input_precision=PREC)
-            if PK > 2:
-                s += tl.dot((qp2 * tl.load(ksb + 2).to(tl.float32)[None, :]).to(DOT), tl.trans(_sub(xk, 2, K_BITS).to(DOT)), input_precision=PREC)
-                s += tl.dot((qp3 * tl.load(ksb + 3).to(tl.float32)[None, :]).to(DOT), tl.trans(_sub(xk, 3, K_BITS).to(DOT)), input_precision=PREC)
-            kz = tl.load(KZ + blk * s_ks_n + h * s_ks_h + offs_d).to(tl.float32)
+            xk = tl.load(KC + bh * P * DK + offs_p[:, None] * DK + offs_k[None, :]).to(tl.int32)
+            ksb = KS + bh * D + PK * offs_k
+            kz = tl.load(KZ + bh * D + offs_d).to(tl.float32)
+            # sub-tile r: (q*s)_r . codes_r; K16: codes as fp16 1024 + c, the 1024s subtracted
+            # after the dots as one sum per query row (K16 == 1) or from the codes (== 2)
+            s = tl.zeros((G_PAD, P), tl.float32)
+            off = tl.zeros((G_PAD,), tl.float32)  # sum of the fp16 (q*s) the dots saw
+            for r in tl.static_range(PK):
+                qs = _pick(qp0, qp1, qp2, qp3, r) * tl.load(ksb + r).to(tl.float32)[None, :]
+                if K16 == 1:
+                    qs = qs.to(tl.float16)
+                    s += tl.dot(qs, tl.trans(_f16_1024(xk, r, K_BITS)))
+                    off += tl.sum(qs.to(tl.float32), 1)
+                elif K16 == 2:
+                    s += tl.dot(qs.to(tl.float16), tl.trans((_f16_1024(xk, r, K_BITS) - 1024.0).to(tl.float16)))
+                else:
+                    s += tl.dot(qs.to(DOT), tl.trans(_f32(xk, r, K_BITS).to(DOT)), input_precision=PREC)
+            s -= 1024.0 * off[:, None]
             s += tl.sum(qp * kz[None, :], 1)[:, None]
         s = tl.where(((j * P + offs_p) >= start)[None, :], s, float("-inf"))
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
-        p = p.to(DOT)
         if V_BITS == 16:
-            vptr = VD + blk * s_vd_n + h * s_vd_h + offs_p[:, None] * s_vd_p + PV * offs_v[None, :]
+            vptr = VD + bh * P * D + offs_p[:, None] * D + offs_v[None, :]
             v0 = tl.load(vptr).to(DOT)
             v1 = v0
             v2 = v0
             v3 = v0
+            pv = p.to(DOT)
         else:
-            xv = tl.load(VC + blk * s_vc_n + h * s_vc_h + offs_p[:, None] * s_vc_p + offs_v[None, :])
-            vs_off = blk * s_vs_n + h * s_vs_h + offs_p[:, None] * s_vs_p + tl.arange(0, D // GS)[None, :]
+            xv = tl.load(VC + bh * P * DV + offs_p[:, None] * DV + offs_v[None, :]).to(tl.int32)
+            vs_off = bh * P * NG + offs_p[:, None] * NG + tl.arange(0, NG)[None, :]
             # column i of every sub-tile is in group i // (GS // PV)
-            vs = tl.reshape(tl.broadcast_to(tl.load(VS + vs_off).to(tl.float32)[:, :, None], (P, D // GS, GS // PV)), (P, DV))
-            vz = tl.reshape(tl.broadcast_to(tl.load(VZ + vs_off).to(tl.float32)[:, :, None], (P, D // GS, GS // PV)), (P, DV))
-            v0 = (_sub(xv, 0, V_BITS) * vs + vz).to(DOT)
-            v1 = v0
-            v2 = v0
-            v3 = v0
-            if PV > 1:
-                v1 = (_sub(xv, 1, V_BITS) * vs + vz).to(DOT)
-            if PV > 2:
-                v2 = (_sub(xv, 2, V_BITS) * vs + vz).to(DOT)
-                v3 = (_sub(xv, 3, V_BITS) * vs + vz).to(DOT)
+            VT: tl.constexpr = tl.float16 if V16 else tl.float32
+            vs = tl.reshape(tl.broadcast_to(tl.load(VS + vs_off).to(VT)[:, :, None], (P, NG, GS // PV)), (P, DV))
+            vz = tl.reshape(tl.broadcast_to(tl.load(VZ + vs_off).to(VT)[:, :, None], (P, NG, GS // PV)), (P, DV))
+            if V16:  # fp16 codes (1024 + c) - 1024, exact; one fp16 FMA per value
+                v0 = (_f16_1024(xv, 0, V_BITS) - 1024.0).to(tl.float16) * vs + vz
+                v1 = v0
+                v2 = v0
+                v3 = v0
+                if PV > 1:
+                    v1 = (_f16_1024(xv, 1, V_BITS) - 1024.0).to(tl.float16) * vs + vz
+                if PV > 2:
+                    v2 = (_f16_1024(xv, 2, V_BITS) - 1024.0).to(tl.float16) * vs + vz
+                    v3 = (_f16_1024(xv, 3, V_BITS) - 1024.0).to(tl.float16) * vs + vz
+                pv = p.to(tl.float16)
+            else:
+                v0 = (_f32(xv, 0, V_BITS) * vs + vz).to(DOT)
+                v1 = v0
+                v2 = v0
+                v3 = v0
+                if PV > 1:
+                    v1 = (_f32(xv, 1, V_BITS) * vs + vz).to(DOT)
+                if PV > 2:
+                    v2 = (_f32(xv, 2, V_BITS) * vs + vz).to(DOT)
+                    v3 = (_f32(xv, 3, V_BITS) * vs + vz).to(DOT)
+                pv = p.to(DOT)
         if ROTATE:
-            a0 = a0 * alpha[:, None]
-            a1 = a1 * alpha[:, None]
-            a2 = a2 * alpha[:, None]
-            a3 = a3 * alpha[:, None]
-            r0 = r0 * alpha[:, None] + tl.dot(p, v0, input_precision=PREC)
-            if PV > 1:
-                r1 = r1 * alpha[:, None] + tl.dot(p, v1, input_precision=PREC)
-            if PV > 2:
-                r2 = r2 * alpha[:, None] + tl.dot(p, v2, input_precision=PREC)
-                r3 = r3 * alpha[:, None] + tl.dot(p, v3, input_precision=PREC)
+            a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, None, None, None, None, PV, PREC)
+            r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC)
         else:
-            a0 = a0 * alpha[:, None] + tl.dot(p, v0, input_precision=PREC)
-            if PV > 1:
-                a1 = a1 * alpha[:, None] + tl.dot(p, v1, input_precision=PREC)
-            if PV > 2:
-                a2 = a2 * alpha[:, None] + tl.dot(p, v2, input_precision=PREC)
-                a3 = a3 * alpha[:, None] + tl.dot(p, v3, input_precision=PREC)
+            a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, v0, v1, v2, v3, PV, PREC)
 
     seen = l_i > 0
     inv = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
-    o_off = b * s_o_b + (h * G + offs_g)[:, None] * s_o_h + split * s_o_s + PV * offs_v[None, :]
+    o_off = ((b * H * G + h * G + offs_g)[:, None] * n_splits + split) * D + PV * offs_v[None, :]
     om = gmask[:, None]
-    tl.store(O + o_off, (a0 * inv).to(O.dtype.element_ty), mask=om)
-    if PV > 1:
-        tl.store(O + o_off + 1, (a1 * inv).to(O.dtype.element_ty), mask=om)
-    if PV > 2:
-        tl.store(O + o_off + 2, (a2 * inv).to(O.dtype.element_ty), mask=om)
-        tl.store(O + o_off + 3, (a3 * inv).to(O.dtype.element_ty), mask=om)
+    _store(O, o_off, a0, a1, a2, a3, inv, om, PV)
     if ROTATE:
-        tl.store(OR + o_off, r0 * inv, mask=om)
-        if PV > 1:
-            tl.store(OR + o_off + 1, r1 * inv, mask=om)
-        if PV > 2:
-            tl.store(OR + o_off + 2, r2 * inv, mask=om)
-            tl.store(OR + o_off + 3, r3 * inv, mask=om)
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    tl.store(LSE + b * s_l_b + (h * G + offs_g) * s_l_h + split, lse, mask=gmask)
+        _store(OR, o_off, r0, r1, r2, r3, inv, om, PV)
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
+    tl.store(LSE + (b * H * G + h * G + offs_g) * n_splits + split, lse, mask=gmask)
 
 
 @triton.jit
@@ -267,11 +323,16 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
     tl.store(LOUT + b * HQ + hq, tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf")))
 
 
-def num_splits(batch: int, kv_heads: int, total_blocks: int, sm_count: int) -> int:
-    """Splits of the KV length so that about eight programs per SM keep enough loads in
-    flight; short contexts and big batches get one program per (row, head), whose output
-    needs no merge."""
-    target = 8 * sm_count
+# Launch knobs, measured on the H200 (notes/decode-kernel.md); scripts/diag_speed.py sweeps them.
+TUNE = dict(num_warps=4, num_stages=None, programs_per_sm=8, k16=1, v16=False)
+LAST: dict = {}  # the last compiled decode kernel launched (registers, spills: scripts/diag_speed.py)
+
+
+def num_splits(batch: int, kv_heads: int, total_blocks: int, sm_count: int, programs_per_sm: int | None = None) -> int:
+    """Splits of the KV length so that about `programs_per_sm` programs per SM keep enough
+    loads in flight; short contexts and big batches get one program per (row, head), whose
+    output needs no merge."""
+    target = (programs_per_sm or TUNE["programs_per_sm"]) * sm_count
     per_row_head = max(1, math.ceil(target / max(1, batch * kv_heads)))
     return max(1, min(per_row_head, total_blocks, 256))
 
@@ -287,7 +348,7 @@ _DUMMIES: dict = {}
 def _dummies(device, dtype):
     key = (device, dtype)
     if key not in _DUMMIES:
-        _DUMMIES[key] = (torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=device), torch.zeros(1, 1, 1, 1, dtype=dtype, device=device))
+        _DUMMIES[key] = (torch.zeros(1, dtype=torch.uint8, device=device), torch.zeros(1, dtype=dtype, device=device))
     return _DUMMIES[key]
 
 
@@ -299,6 +360,12 @@ def _hadamard_on(d: int, device) -> torch.Tensor:
     if key not in _HADAMARD:
         _HADAMARD[key] = hadamard(d, torch.float32, device)
     return _HADAMARD[key]
+
+
+def _contiguous(**tensors) -> None:
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(f"paged_decode_triton: {name} {tuple(t.shape)} must be contiguous (the kernel derives its strides)")
 
 
 def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
@@ -335,30 +402,24 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     u8, f = _dummies(q.device, view.sink_k.dtype)
     KD = pages.k if fmt.k_bits == 16 else f
     VD = pages.v if fmt.v_bits == 16 else f
-    KC, KS, KZ = (pages.k_codes, pages.k_scale, pages.k_zero) if fmt.k_bits != 16 else (u8, f[0], f[0])
+    KC, KS, KZ = (pages.k_codes, pages.k_scale, pages.k_zero) if fmt.k_bits != 16 else (u8, f, f)
     VC, VS, VZ = (pages.v_codes, pages.v_scale, pages.v_zero) if fmt.v_bits != 16 else (u8, f, f)
+    _contiguous(sink_k=view.sink_k, sink_v=view.sink_v, k=KD, v=VD, k_codes=KC, k_scale=KS, k_zero=KZ, v_codes=VC, v_scale=VS, v_zero=VZ)
     dot = tl.float16 if q.dtype == torch.float16 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32)
-    _decode_kernel[(B * H, splits)](
+    half = dot != tl.float32
+    opts = dict(num_warps=TUNE["num_warps"])
+    if TUNE["num_stages"] is not None:
+        opts["num_stages"] = TUNE["num_stages"]
+    LAST["kernel"] = _decode_kernel[(B * H, splits)](
         q2, qr, table, start if start is not None else table,
         view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
         o, o_r, lse,
-        q2.stride(0), q2.stride(1),
-        table.stride(0),
-        view.sink_k.stride(0), view.sink_k.stride(1), view.sink_k.stride(2),
-        KD.stride(0), KD.stride(1), KD.stride(2),
-        VD.stride(0), VD.stride(1), VD.stride(2),
-        KC.stride(0), KC.stride(1), KC.stride(2),
-        KS.stride(0), KS.stride(1),
-        VC.stride(0), VC.stride(1), VC.stride(2),
-        VS.stride(0), VS.stride(1), VS.stride(2),
-        tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        n_blocks, min(view.n_sink, n_blocks), tail_len, bps, scale,
+        q2.stride(0), q2.stride(1), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
+        n_blocks, min(view.n_sink, n_blocks), tail_len, bps, scale, splits,
         H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, P=P,
         K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate,
-        HAS_START=start is not None, DOT=dot, PREC="ieee" if dot == tl.float32 else "tf32",
-        num_warps=4,
+        HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
+        K16=TUNE["k16"] if half else 0, V16=half and TUNE["v16"], **opts,
     )
     if merged:
         return o, (lse if return_lse else None)

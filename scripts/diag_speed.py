@@ -1,0 +1,117 @@
+"""Sweep the decode kernel's variants and launch knobs on the GPU; print a table, write the best.
+
+Usage (GPU machine, repo root): python3 scripts/diag_speed.py OUT.json
+Each variant is checked against the reference path (gather + dequantize + SDPA) on the same
+view before it is timed; a variant that errs is reported and never chosen.
+"""
+import itertools
+import json
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+from longctx import KVConfig  # noqa: E402
+from longctx.bench import _copies, _time, synthetic_view, view_bytes  # noqa: E402
+from longctx.ops.paged_attention import paged_attention  # noqa: E402
+from longctx.ops.paged_attention import triton as K  # noqa: E402
+
+Hq, H, D = 32, 8, 128
+DEFAULT = dict(K.TUNE)
+
+
+def views(B, T, cfg, n=None):
+    one = synthetic_view(B, T, H, D, cfg, "cuda")
+    L = n or _copies(view_bytes(one))
+    return [one] + [synthetic_view(B, T, H, D, cfg, "cuda", seed=i) for i in range(1, L)]
+
+
+def measure(vs, q, tune, reps=15):
+    K.TUNE.clear()
+    K.TUNE.update(tune)
+    ref, _ = paged_attention(q, vs[0], backend="reference")
+    out, _ = paged_attention(q, vs[0], backend="triton")
+    err = (out.float() - ref.float()).abs().max().item()
+    ms = _time(lambda i: paged_attention(q, vs[i], backend="triton", return_lse=False), len(vs), reps)
+    kern = K.LAST.get("kernel")
+    regs = (kern.n_regs, kern.n_spills) if kern is not None else (-1, -1)
+    return ms, err, regs
+
+
+def sdpa_ms(B, T):
+    import torch.nn.functional as F
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+    L = _copies(2 * B * T * H * D * 2)
+    kvs = [(torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16), torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)) for _ in range(L)]
+    ms = _time(lambda i: F.scaled_dot_product_attention(q, kvs[i][0], kvs[i][1], enable_gqa=True), L, 20)
+    del kvs
+    return ms
+
+
+def main(path):
+    results, best = [], {}
+    torch.manual_seed(0)
+    for fmt, bits, T, B in [("int4", 4, 131072, 1), ("int8", 8, 131072, 1), ("bf16", 16, 131072, 1)]:
+        base = sdpa_ms(B, T)
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        print(f"== {fmt} T={T} B={B}: SDPA dense bf16 {base:.4f} ms", flush=True)
+        cands = []
+
+        def run(bs, vs, **kw):
+            tune = dict(DEFAULT, **kw)
+            t0 = time.time()
+            try:
+                ms, err, regs = measure(vs, q, tune)
+            except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a finding
+                print(f"  bs{bs} {kw}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                return
+            ok = err < 0.05
+            row = dict(fmt=fmt, T=T, B=B, block_size=bs, **tune, ms=ms, ratio=base / ms, err=err, regs=regs[0], spills=regs[1])
+            results.append(row)
+            if ok:
+                cands.append(row)
+            print(f"  bs{bs} {kw}: {ms:.4f} ms ({base / ms:.2f}x) err {err:.1e} regs/spills {regs} {'' if ok else 'BAD'} [{time.time() - t0:.1f}s]", flush=True)
+
+        vs = views(B, T, KVConfig(bits=bits, block_size=64))
+        # stage 1: the dequantization variants
+        for k16, v16, nw in itertools.product((0, 1, 2) if bits < 16 else (0,), (False, True) if bits < 16 else (False,), (4, 8)):
+            run(64, vs, k16=k16, v16=v16, num_warps=nw)
+        # stage 2: pipelining and occupancy around the best of stage 1
+        b1 = min(cands, key=lambda r: r["ms"]) if cands else dict(DEFAULT)
+        for nw, ns, pps in itertools.product((4, 8), (1, 2, 3, 4), (4, 8, 16)):
+            run(64, vs, k16=b1["k16"], v16=b1["v16"], num_warps=nw, num_stages=ns, programs_per_sm=pps)
+        del vs
+        torch.cuda.empty_cache()
+        # stage 3: bigger pages
+        b2 = min(cands, key=lambda r: r["ms"]) if cands else dict(DEFAULT)
+        vs = views(B, T, KVConfig(bits=bits, block_size=128))
+        for nw, ns in ((4, b2["num_stages"]), (8, b2["num_stages"]), (8, 1), (8, 2)):
+            run(128, vs, k16=b2["k16"], v16=b2["v16"], num_warps=nw, num_stages=ns, programs_per_sm=b2["programs_per_sm"])
+        del vs
+        torch.cuda.empty_cache()
+        if cands:
+            best[fmt] = min(cands, key=lambda r: r["ms"])
+            print("  best:", best[fmt], flush=True)
+    # CPU overhead at short context: eager vs one CUDA graph replay
+    K.TUNE.clear()
+    K.TUNE.update({k: best["int4"][k] for k in DEFAULT} if "int4" in best else DEFAULT)
+    for T in (4096, 32768):
+        vs = views(1, T, KVConfig(bits=4), n=1)
+        q = torch.randn(1, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        eager = _time(lambda i: paged_attention(q, vs[0], backend="triton", return_lse=False), 1, 50)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            paged_attention(q, vs[0], backend="triton", return_lse=False)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            paged_attention(q, vs[0], backend="triton", return_lse=False)
+        graph = _time(lambda i: g.replay(), 1, 50)
+        print(f"int4 T={T}: eager {eager:.4f} ms, graph replay {graph:.4f} ms, SDPA {sdpa_ms(1, T):.4f} ms", flush=True)
+    json.dump(dict(results=results, best=best), open(path, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/diag_speed.json")
