@@ -106,6 +106,24 @@ def _time(fn, copies: int, reps: int) -> float:
     return ts[len(ts) // 2]
 
 
+def _time_graph(fn, copies: int, reps: int) -> float:
+    """Like _time, but each call is captured once in a CUDA graph and replayed: the GPU's
+    time without the host's launch overhead (what a captured decode step pays)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(min(copies, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for i in range(copies):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(i)
+        graphs.append(g)
+    return _time(lambda i: graphs[i].replay(), copies, reps)
+
+
 def _copies(bytes_per_copy: int, target: int = 3 * 1024**3) -> int:
     return max(2, min(32, math.ceil(target / max(1, bytes_per_copy))))
 
@@ -120,8 +138,10 @@ def bench_decode(
     reps: int = 20,
     device: str = "cuda",
     progress=None,
+    graph: bool = False,
 ) -> list[DecodeRow]:
-    """Per-layer decode latency of each format and peer, for every (context, batch)."""
+    """Per-layer decode latency of each format and peer, for every (context, batch).
+    graph=True times CUDA-graph replays of every kernel, peers included (no launch overhead)."""
     import torch.nn.functional as F
 
     from .ops.gather_dequant import gather_dequant
@@ -131,6 +151,7 @@ def bench_decode(
         raise BackendUnavailableError("bench decode needs a CUDA GPU; this machine has none")
     dims = SHAPES[shape]
     Hq, H, D = dims["heads"], dims["kv_heads"], dims["head_dim"]
+    timer = _time_graph if graph else _time
     presets = {"bf16": KVConfig(bits=16), "int8": KVConfig(bits=8), "int4": KVConfig(bits=4), "k8v4": KVConfig(bits=4, k_bits=8),
                "int2": KVConfig(bits=2, rotate=True), "int4+rot": KVConfig(bits=4, rotate=True)}
     rows: list[DecodeRow] = []
@@ -142,7 +163,7 @@ def bench_decode(
             if peers:
                 L = _copies(dense_bytes)
                 kvs = [(torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16), torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16)) for _ in range(L)]
-                ms = _time(lambda i: F.scaled_dot_product_attention(q, kvs[i][0], kvs[i][1], enable_gqa=True), L, reps)
+                ms = timer(lambda i: F.scaled_dot_product_attention(q, kvs[i][0], kvs[i][1], enable_gqa=True), L, reps)
                 case.append(DecodeRow("SDPA dense bf16", T, B, ms, dense_bytes))
                 del kvs
             for name in formats:
@@ -152,14 +173,14 @@ def bench_decode(
                 one = synthetic_view(B, T, H, D, cfg, device)
                 L = _copies(view_bytes(one))
                 views = [one] + [synthetic_view(B, T, H, D, cfg, device, seed=i) for i in range(1, L)]
-                ms = _time(lambda i: paged_attention(q, views[i], backend="triton", return_lse=False), L, reps)
+                ms = timer(lambda i: paged_attention(q, views[i], backend="triton", return_lse=False), L, reps)
                 case.append(DecodeRow(f"longctx {cfg.describe()}", T, B, ms, view_bytes(one)))
                 if peers and name == "int4":
                     def deq_all(i):
                         k, v = gather_dequant(views[i], out_dtype=torch.bfloat16)
                         F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-                    ms = _time(deq_all, L, max(3, reps // 4))
+                    ms = timer(deq_all, L, max(3, reps // 4))
                     case.append(DecodeRow("dequantize-all then SDPA (int4)", T, B, ms, view_bytes(one)))
                 del views, one
                 torch.cuda.empty_cache()
@@ -169,4 +190,229 @@ def bench_decode(
             rows.extend(case)
             if progress is not None:
                 progress(case)
+    return rows
+
+
+@dataclass
+class PrefillRow:
+    name: str
+    context: int  # tokens in the cache after the chunk
+    chunk: int
+    ms: float  # one layer: seal the chunk's blocks (longctx) + attention of the chunk
+    ratio_to_sdpa: float = float("nan")
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.chunk / (self.ms / 1e3)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tok_per_s": self.tok_per_s}
+
+
+def bench_prefill(contexts=(32768, 131072), chunk: int = 16384, formats=("int4", "int8"), shape: str = "llama-3-8b", block_size: int = 64,
+                  reps: int = 5, device: str = "cuda", progress=None) -> list[PrefillRow]:
+    """Per-layer time of the last prefill chunk of a `context`-token prompt: longctx seals the
+    chunk into pages and attends over the staged past; the peer is SDPA (flash, lower-right
+    causal) over dense bf16 K/V, as DynamicCache + SDPA prefill runs."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    from .cache import PagedKVCache
+
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError("bench prefill needs a CUDA GPU; this machine has none")
+    dims = SHAPES[shape]
+    Hq, H, D = dims["heads"], dims["kv_heads"], dims["head_dim"]
+    G = Hq // H
+    rows: list[PrefillRow] = []
+    for T in contexts:
+        C = min(chunk, T)
+        g = torch.Generator(device=device).manual_seed(T)
+        q = torch.randn(1, Hq, C, D, device=device, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, H, T, D, device=device, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(1, H, T, D, device=device, dtype=torch.bfloat16, generator=g)
+        mask = causal_lower_right(C, T)
+
+        def sdpa(_):
+            for gi in range(G):
+                F.scaled_dot_product_attention(q[:, gi::G], k, v, attn_mask=mask)
+
+        case = [PrefillRow("SDPA dense bf16 (flash)", T, C, _time(sdpa, 1, reps))]
+        for name in formats:
+            cfg = KVConfig(**_FORMATS[name], block_size=block_size)
+            cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=H, head_dim=D)
+            cache.append(0, k[:, :, : T - C], v[:, :, : T - C])
+            cache.seal()
+            ts = []
+            for _ in range(reps):
+                cache.crop(T - C)
+                torch.cuda.synchronize()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                cache.append(0, k[:, :, T - C :], v[:, :, T - C :])
+                cache.attend(0, q, start=None, return_lse=False)
+                cache.seal()
+                e.record()
+                torch.cuda.synchronize()
+                ts.append(s.elapsed_time(e))
+            ts.sort()
+            case.append(PrefillRow(f"longctx {cfg.describe()}", T, C, ts[len(ts) // 2]))
+            cache.reset()
+            del cache
+            torch.cuda.empty_cache()
+        for r in case:
+            r.ratio_to_sdpa = case[0].ms / r.ms
+        rows.extend(case)
+        if progress is not None:
+            progress(case)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+_FORMATS = {"bf16": {"bits": 16}, "int8": {"bits": 8}, "int4": {"bits": 4}, "k8v4": {"bits": 4, "k_bits": 8},
+            "int2": {"bits": 2, "rotate": True}, "int4+rot": {"bits": 4, "rotate": True}}
+
+
+@dataclass
+class SealRow:
+    name: str
+    context: int
+    step_ms: float  # one layer's decode step (append one token + attend), sealing included
+    attend_ms: float  # the same steps' attention alone
+
+    @property
+    def overhead_pct(self) -> float:
+        return (self.step_ms / self.attend_ms - 1) * 100
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "overhead_pct": self.overhead_pct}
+
+
+def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8b", block_size: int = 64, device: str = "cuda") -> list[SealRow]:
+    """What appending and sealing add to decode: 4 * block_size steps of (append one token,
+    attend) through a real PagedKVCache at `context` tokens, one of every block_size steps
+    sealing a block, against the same steps' attention alone."""
+    from .cache import PagedKVCache
+
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError("bench seal needs a CUDA GPU; this machine has none")
+    dims = SHAPES[shape]
+    Hq, H, D = dims["heads"], dims["kv_heads"], dims["head_dim"]
+    steps = 4 * block_size
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for name in formats:
+        cfg = KVConfig(**_FORMATS[name], block_size=block_size)
+        cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=H, head_dim=D)
+        for t0 in range(0, context, 16384):
+            n = min(16384, context - t0)
+            cache.append(0, torch.randn(1, H, n, D, device=device, dtype=torch.bfloat16, generator=g),
+                         torch.randn(1, H, n, D, device=device, dtype=torch.bfloat16, generator=g))
+            cache.seal()
+        one = torch.randn(2, 1, H, 1, D, device=device, dtype=torch.bfloat16, generator=g)
+        cache.append(0, one[0], one[1])  # the query's own token, in the tail
+        q = torch.randn(1, Hq, 1, D, device=device, dtype=torch.bfloat16, generator=g)
+        new = torch.randn(steps, 2, 1, H, 1, D, device=device, dtype=torch.bfloat16, generator=g)
+
+        def run(append: bool) -> float:
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for i in range(steps):
+                if append:
+                    cache.append(0, new[i, 0], new[i, 1])
+                cache.attend(0, q, return_lse=False)
+            e.record()
+            torch.cuda.synchronize()
+            return s.elapsed_time(e) / steps
+
+        run(False)
+        attend = min(run(False) for _ in range(3))
+        step = run(True)
+        rows.append(SealRow(f"longctx {cfg.describe()}", context, step, attend))
+        cache.reset()
+        del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+@dataclass
+class E2ERow:
+    name: str
+    context: int
+    prefill_s: float
+    decode_ms_per_token: float
+    peak_gib: float
+    ratio_decode: float = float("nan")  # DynamicCache ms/token / this (>1: faster)
+    ratio_prefill: float = float("nan")  # this prefill time / DynamicCache's (<1: faster)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def llama3_8b_shaped(layers: int = 32, max_positions: int = 1 << 20, device: str = "cuda"):
+    """A random-initialized model with Llama-3-8B's shapes, bf16 weights, SDPA attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                      vocab_size=128256, max_position_embeddings=max_positions, rope_theta=500000.0, attn_implementation="sdpa")
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int = 32, chunk: int = 16384, layers: int = 32,
+              device: str = "cuda", progress=None) -> list[E2ERow]:
+    """Prefill `context` random tokens in chunks, then decode `new_tokens` greedily, with
+    transformers' DynamicCache + SDPA and with LongCtxCache in each format, same model."""
+    import time
+
+    from transformers import DynamicCache
+
+    from .integrations.transformers import LongCtxCache, cache_kwargs
+
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError("bench e2e needs a CUDA GPU; this machine has none")
+    model = llama3_8b_shaped(layers, context + new_tokens + 16, device)
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def run(name, cache) -> E2ERow:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for s in range(0, context, chunk):
+                out = model(input_ids=ids[:, s : s + chunk], use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+            tok = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            for _ in range(new_tokens):
+                out = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache))
+                tok = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+        row = E2ERow(name, context, t1 - t0, (t2 - t1) / new_tokens * 1e3, torch.cuda.max_memory_allocated() / 2**30)
+        if progress is not None:
+            progress(row)
+        return row
+
+    rows = [run("DynamicCache + SDPA", DynamicCache(config=model.config))]
+    torch.cuda.empty_cache()
+    for name in formats:
+        cache = LongCtxCache(model, KVConfig(**_FORMATS[name]))
+        try:
+            rows.append(run(f"LongCtxCache {cache.kv_config.describe()}", cache))
+        finally:
+            cache.detach()
+        del cache
+        torch.cuda.empty_cache()
+    for r in rows:
+        r.ratio_decode = rows[0].decode_ms_per_token / r.decode_ms_per_token
+        r.ratio_prefill = r.prefill_s / rows[0].prefill_s
     return rows

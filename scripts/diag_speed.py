@@ -32,7 +32,8 @@ def measure(vs, q, tune, reps=15):
     K.TUNE.update(tune)
     ref, _ = paged_attention(q, vs[0], backend="reference")
     out, _ = paged_attention(q, vs[0], backend="triton")
-    err = (out.float() - ref.float()).abs().max().item()
+    # relative to the output's size: synthetic int8 values reach ~40, where a bf16 ulp is 0.25
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     ms = _time(lambda i: paged_attention(q, vs[i], backend="triton", return_lse=False), len(vs), reps)
     kern = K.LAST.get("kernel")
     regs = (kern.n_regs, kern.n_spills) if kern is not None else (-1, -1)
@@ -66,7 +67,7 @@ def main(path):
             except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a finding
                 print(f"  bs{bs} {kw}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 return
-            ok = err < 0.05
+            ok = err < 0.02
             row = dict(fmt=fmt, T=T, B=B, block_size=bs, **tune, ms=ms, ratio=base / ms, err=err, regs=regs[0], spills=regs[1])
             results.append(row)
             if ok:

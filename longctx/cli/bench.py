@@ -33,10 +33,12 @@ def decode(
     block_size: int = typer.Option(64, help="tokens per page"),
     no_peers: bool = typer.Option(False, "--no-peers", help="skip SDPA dense and dequantize-all peers"),
     as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
+    graph: bool = typer.Option(False, "--graph", help="time CUDA-graph replays (GPU time without launch overhead), peers too"),
+    plot: Path = typer.Option(None, "--plot", help="also draw time per context to this PNG (needs matplotlib)"),
 ) -> None:
     """Per-layer decode attention time, effective bandwidth and ratio to SDPA dense bf16.
 
-    Example: longctx bench decode --contexts 4k,128k --batch 1,8 --formats int4,int8
+    Example: longctx bench decode --contexts 4k,128k --batch 1,8 --formats int4,int8 --graph
     """
     from ..bench import SHAPES, bench_decode
 
@@ -48,12 +50,122 @@ def decode(
         for r in case:
             console.print(f"  {r.name:34s} ctx {r.context:>7d} B{r.batch}: {r.ms:8.4f} ms  {r.tb_per_s:5.2f} TB/s  x{r.ratio_to_sdpa:5.2f}", highlight=False)
 
-    rows = bench_decode(_sizes(contexts), _sizes(batch), [f.strip() for f in formats.split(",")], shape, block_size, not no_peers, progress=show)
-    table = Table(title=f"Decode attention per layer ({shape}), median")
+    if plot is not None:
+        _need_matplotlib()
+    rows = bench_decode(_sizes(contexts), _sizes(batch), [f.strip() for f in formats.split(",")], shape, block_size, not no_peers, progress=show, graph=graph)
+    table = Table(title=f"Decode attention per layer ({shape}), median{', CUDA-graph replays' if graph else ''}")
     for col in ("kernel", "context", "batch", "ms", "TB/s", "vs SDPA bf16"):
         table.add_column(col, justify="left" if col == "kernel" else "right")
     for r in rows:
         table.add_row(r.name, f"{r.context:,}", str(r.batch), f"{r.ms:.4f}", f"{r.tb_per_s:.2f}", f"{r.ratio_to_sdpa:.2f}x")
+    console.print(table)
+    if as_json:
+        as_json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
+    if plot is not None:
+        _plot_decode(rows, plot, f"Decode attention per layer ({shape}){', CUDA graphs' if graph else ''}")
+
+
+def _need_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+
+
+def _plot_decode(rows, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for batch in sorted({r.batch for r in rows}):
+        for name in dict.fromkeys(r.name for r in rows):
+            pts = sorted((r.context, r.ms) for r in rows if r.name == name and r.batch == batch)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{name} (B{batch})")
+    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per layer", title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+@app.command()
+def prefill(
+    contexts: str = typer.Option("32k,128k", help="tokens in the cache after the measured chunk"),
+    chunk: int = typer.Option(16384, help="prefill chunk (tokens)"),
+    formats: str = typer.Option("int4,int8", help="longctx formats"),
+    shape: str = typer.Option("llama-3-8b", help="model shape: llama-3-8b or smollm2-135m"),
+    block_size: int = typer.Option(64, help="tokens per page"),
+    as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
+) -> None:
+    """Per-layer time of a prompt's last prefill chunk: sealing + staged attention vs SDPA (flash) over dense bf16.
+
+    Example: longctx bench prefill --contexts 32k,128k --chunk 16384
+    """
+    from ..bench import SHAPES, bench_prefill
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    rows = bench_prefill(_sizes(contexts), chunk, [f.strip() for f in formats.split(",")], shape, block_size)
+    table = Table(title=f"Prefill chunk per layer ({shape}), median")
+    for col in ("kernel", "context", "chunk", "ms", "tokens/s", "vs SDPA bf16"):
+        table.add_column(col, justify="left" if col == "kernel" else "right")
+    for r in rows:
+        table.add_row(r.name, f"{r.context:,}", f"{r.chunk:,}", f"{r.ms:.3f}", f"{r.tok_per_s:,.0f}", f"{r.ratio_to_sdpa:.2f}x")
+    Console().print(table)
+    if as_json:
+        as_json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
+
+
+@app.command()
+def seal(
+    context: str = typer.Option("128k", help="tokens in the cache"),
+    formats: str = typer.Option("int4", help="longctx formats"),
+    block_size: int = typer.Option(64, help="tokens per page"),
+) -> None:
+    """What appending and sealing add to a decode step (one layer, real cache).
+
+    Example: longctx bench seal --context 128k --formats int4,int8
+    """
+    from ..bench import bench_seal
+
+    rows = bench_seal(_sizes(context)[0], [f.strip() for f in formats.split(",")], block_size=block_size)
+    table = Table(title="Decode step with append + sealing vs attention alone (per layer)")
+    for col in ("format", "context", "step ms", "attend ms", "overhead"):
+        table.add_column(col, justify="left" if col == "format" else "right")
+    for r in rows:
+        table.add_row(r.name, f"{r.context:,}", f"{r.step_ms:.4f}", f"{r.attend_ms:.4f}", f"{r.overhead_pct:+.1f} %")
+    Console().print(table)
+
+
+@app.command()
+def e2e(
+    context: str = typer.Option("128k", help="prompt length"),
+    formats: str = typer.Option("int4,int8", help="longctx formats"),
+    new_tokens: int = typer.Option(32, help="tokens decoded after the prompt"),
+    chunk: int = typer.Option(16384, help="prefill chunk (tokens)"),
+    layers: int = typer.Option(32, help="decoder layers of the Llama-3-8B-shaped model"),
+    as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
+) -> None:
+    """End to end, random-initialized Llama-3-8B-shaped model: DynamicCache + SDPA vs LongCtxCache.
+
+    Prefill in chunks, then greedy decode; bf16 weights, batch 1.
+
+    Example: longctx bench e2e --context 128k --formats int4
+    """
+    from ..bench import bench_e2e
+
+    console = Console()
+    rows = bench_e2e(_sizes(context)[0], [f.strip() for f in formats.split(",")], new_tokens, chunk, layers,
+                     progress=lambda r: console.print(f"  {r.name}: prefill {r.prefill_s:.1f} s, decode {r.decode_ms_per_token:.1f} ms/token, peak {r.peak_gib:.1f} GiB", highlight=False))
+    table = Table(title=f"End to end, Llama-3-8B shape, {layers} layers, bf16 weights, batch 1")
+    for col in ("cache", "context", "prefill s", "decode ms/token", "decode tok/s", "peak GiB", "decode vs Dynamic", "prefill vs Dynamic"):
+        table.add_column(col, justify="left" if col == "cache" else "right")
+    for r in rows:
+        table.add_row(r.name, f"{r.context:,}", f"{r.prefill_s:.1f}", f"{r.decode_ms_per_token:.1f}", f"{1e3 / r.decode_ms_per_token:.1f}",
+                      f"{r.peak_gib:.1f}", f"{r.ratio_decode:.2f}x", f"{r.ratio_prefill:.2f}x")
     console.print(table)
     if as_json:
         as_json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))

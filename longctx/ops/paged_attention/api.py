@@ -61,10 +61,14 @@ def paged_attention(
 
             return paged_attention_reference(q, view, start, scale, return_lse)
         case "triton":
-            if C > 1:  # prefill chunks: dequantize the past, then exact attention
-                from .reference import paged_attention_reference
+            if C > 1:  # prefill chunks: stage the past densely, then SDPA (prefill.py)
+                if return_lse or (start is not None and bool((start > 0).any())):
+                    from .reference import paged_attention_reference
 
-                return paged_attention_reference(q, view, start, scale, return_lse)
+                    return paged_attention_reference(q, view, start, scale, return_lse)
+                from .prefill import paged_prefill_staged
+
+                return paged_prefill_staged(q, view, scale), None
             from .triton import paged_decode_triton
 
             return paged_decode_triton(q, view, start, D**-0.5 if scale is None else scale, return_lse)

@@ -324,7 +324,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 
 
 # Launch knobs, measured on the H200 (notes/decode-kernel.md); scripts/diag_speed.py sweeps them.
-TUNE = dict(num_warps=4, num_stages=None, programs_per_sm=8, k16=1, v16=False)
+TUNE = dict(num_warps=4, num_stages=2, programs_per_sm=8, k16=2, v16=False)
 LAST: dict = {}  # the last compiled decode kernel launched (registers, spills: scripts/diag_speed.py)
 
 

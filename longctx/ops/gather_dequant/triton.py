@@ -1,0 +1,117 @@
+"""Triton gather + dequantize: a paged batch's sealed blocks -> dense [B, H, n_blocks*P, D].
+
+One program per (row, KV head, logical block). Codes become fp32 without int->float
+conversion instructions (the bit trick of the decode kernel), are scaled in fp32 and stored
+in the output's dtype; rotated pages are rotated back in the kernel by an fp32 dot with the
+Hadamard matrix, one sub-tile of channels at a time (rows r, r+PER, ... of H), so packed
+channels are never interleaved in registers. The output may be a slice of a larger staging
+buffer (prefill writes the past and then the tail into one buffer).
+
+Never imports the reference; tests/ops/test_gather_dequant.py compares the two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..pages import PagedView
+
+
+@triton.jit
+def _code_f32(x, r: tl.constexpr, BITS: tl.constexpr):
+    c = x if BITS >= 8 else (x >> (r * BITS)) & ((1 << BITS) - 1)
+    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, out_rows,
+          H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+          PER_TOKEN: tl.constexpr, ROTATE: tl.constexpr):
+    """One side (K or V) of one block: copy a sink or 16-bit page, or dequantize codes."""
+    offs_d = tl.arange(0, D)
+    bh = blk * H + h
+    if is_sink:
+        x = tl.load(SINK + bh * P * D + offs_p[:, None] * D + offs_d[None, :])
+        tl.store(OUT + out_rows + offs_d[None, :], x.to(OUT.dtype.element_ty))
+    elif BITS == 16:
+        x = tl.load(DENSE + bh * P * D + offs_p[:, None] * D + offs_d[None, :])
+        tl.store(OUT + out_rows + offs_d[None, :], x.to(OUT.dtype.element_ty))
+    else:
+        PER: tl.constexpr = 8 // BITS if BITS < 8 else 1
+        DS: tl.constexpr = D // PER
+        NG: tl.constexpr = D // GS
+        offs_s = tl.arange(0, DS)
+        x = tl.load(CODES + bh * P * DS + offs_p[:, None] * DS + offs_s[None, :]).to(tl.int32)
+        acc = tl.zeros((P, D), tl.float32)
+        for r in tl.static_range(PER):
+            chan = PER * offs_s + r  # channels of sub-tile r
+            if PER_TOKEN:  # V: [N, H, P, D/GS], group of channel c is c // GS
+                sc_off = bh * P * NG + offs_p[:, None] * NG + (chan // GS)[None, :]
+                val = _code_f32(x, r, BITS) * tl.load(SCALE + sc_off).to(tl.float32) + tl.load(ZERO + sc_off).to(tl.float32)
+            else:  # K: [N, H, D], per channel
+                val = _code_f32(x, r, BITS) * tl.load(SCALE + bh * D + chan).to(tl.float32)[None, :] + tl.load(ZERO + bh * D + chan).to(tl.float32)[None, :]
+            if ROTATE:  # x @ H = sum over sub-tiles r of x_r @ H[chan_r, :]
+                hm = tl.load(HMAT + chan[:, None] * D + offs_d[None, :])
+                acc += tl.dot(val, hm, input_precision="ieee")
+            else:
+                tl.store(OUT + out_rows + chan[None, :], val.to(OUT.dtype.element_ty))
+        if ROTATE:
+            tl.store(OUT + out_rows + offs_d[None, :], acc.to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def _gather_kernel(TABLE, SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, HMAT, OK, OV,
+                   stride_tb, s_ob, s_oh, s_ot, n_sink,
+                   H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                   GS: tl.constexpr, ROTATE: tl.constexpr):
+    pid = tl.program_id(0)
+    j = tl.program_id(1)
+    b = pid // H
+    h = pid % H
+    blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
+    offs_p = tl.arange(0, P)
+    rows = b * s_ob + h * s_oh + (j * P + offs_p)[:, None] * s_ot
+    is_sink = j < n_sink
+    _side(SINK_K, KD, KC, KS, KZ, HMAT, OK, blk, h, is_sink, offs_p, rows, H, D, P, K_BITS, GS, False, ROTATE)
+    _side(SINK_V, VD, VC, VS, VZ, HMAT, OV, blk, h, is_sink, offs_p, rows, H, D, P, V_BITS, GS, True, ROTATE)
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard(d: int, device: str) -> torch.Tensor:
+    from ...quant import hadamard
+
+    return hadamard(d, torch.float32, device)
+
+
+def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+    """Write the sealed past of `view` into out_k/out_v [B, H, >= n_blocks*P, D] (positions
+    0 .. n_blocks*P-1; the rest is left alone). out_k and out_v must share strides and have
+    a unit stride along D."""
+    pages, fmt = view.pages, view.pages.fmt
+    table = view.block_table
+    B, n = table.shape
+    if n == 0:
+        return
+    H, P, D = fmt.num_kv_heads, fmt.block_size, fmt.head_dim
+    if out_k.shape[0] != B or out_k.shape[1] != H or out_k.shape[2] < n * P or out_k.shape[3] != D:
+        raise ValueError(f"gather_dequant_triton: out {tuple(out_k.shape)} cannot hold [B={B}, H={H}, {n * P}, D={D}]")
+    if out_k.stride() != out_v.stride() or out_k.stride(-1) != 1:
+        raise ValueError("gather_dequant_triton: out_k/out_v must share strides, unit stride along D")
+    z8 = torch.zeros(1, dtype=torch.uint8, device=table.device)
+    zf = view.sink_k.new_zeros(1)
+    KD, VD = (pages.k if fmt.k_bits == 16 else zf), (pages.v if fmt.v_bits == 16 else zf)
+    KC, KS, KZ = (pages.k_codes, pages.k_scale, pages.k_zero) if fmt.k_bits != 16 else (z8, zf, zf)
+    VC, VS, VZ = (pages.v_codes, pages.v_scale, pages.v_zero) if fmt.v_bits != 16 else (z8, zf, zf)
+    for name, t in dict(sink_k=view.sink_k, sink_v=view.sink_v, k=KD, v=VD, k_codes=KC, k_scale=KS, k_zero=KZ, v_codes=VC, v_scale=VS, v_zero=VZ).items():
+        if not t.is_contiguous():
+            raise ValueError(f"gather_dequant_triton: {name} {tuple(t.shape)} must be contiguous")
+    hmat = _hadamard(D, str(table.device)) if fmt.rotate else zf
+    _gather_kernel[(B * H, n)](
+        table, view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, hmat, out_k, out_v,
+        table.stride(0), out_k.stride(0), out_k.stride(1), out_k.stride(2), min(view.n_sink, n),
+        H=H, D=D, P=P, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate, num_warps=4,
+    )

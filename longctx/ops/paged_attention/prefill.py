@@ -1,0 +1,43 @@
+"""Prefill chunks (q_len = C > 1) on the triton backend: stage, then a fused dense kernel.
+
+The sealed past is dequantized by the gather_dequant kernel into one staging buffer of the
+query's dtype, the tail is copied after it, and PyTorch's SDPA runs with a lower-right
+causal mask (query i of C sits at position T - C + i) — its flash kernel on CUDA. The
+staging buffer is one layer's past at a time and is freed when the layer returns, so a
+128k-token prompt prefilled in chunks never holds more than one layer's dense K/V.
+
+GQA runs as G calls of plain multi-head attention (the query heads g, g+G, ... pair with
+KV heads 0, 1, ...), so no kernel ever needs a GQA mode or a repeated K/V.
+
+Rows with left padding (start given) and callers that need the LSE take the reference
+path instead: the padding mask is per row, and the flash kernel does not return the LSE.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from ..gather_dequant import gather_dequant
+from ..pages import PagedView
+
+
+def paged_prefill_staged(q: torch.Tensor, view: PagedView, scale: float | None) -> torch.Tensor:
+    """out [B, H_q, C, D] for queries at the end of the view, no padding, causal."""
+    B, Hq, C, D = q.shape
+    H = view.tail_k.shape[1]
+    G = Hq // H
+    tail = view.tail_k.shape[2]
+    k, v = gather_dequant(view, out_dtype=q.dtype, extra=tail)
+    past = k.shape[2] - tail
+    k[:, :, past:].copy_(view.tail_k)
+    v[:, :, past:].copy_(view.tail_v)
+    T = k.shape[2]
+    mask = causal_lower_right(C, T)
+    if G == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = torch.empty_like(q)
+    for g in range(G):
+        out[:, g::G] = F.scaled_dot_product_attention(q[:, g::G], k, v, attn_mask=mask, scale=scale)
+    return out

@@ -1,0 +1,64 @@
+"""Triton gather_dequant vs the reference, on a named grid (CPU: TRITON_INTERPRET=1)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from longctx import KVConfig  # noqa: E402
+from longctx.ops.gather_dequant import gather_dequant  # noqa: E402
+
+from .test_paged_attention import fill  # noqa: E402
+from .test_paged_attention_triton import _to  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (B, T, H, D, block, cfg kwargs)
+CASES = [
+    (2, 90, 2, 64, 16, dict(bits=4)),
+    (1, 200, 1, 128, 64, dict(bits=8)),
+    (2, 70, 2, 64, 16, dict(bits=2, rotate=True)),
+    (2, 100, 3, 64, 32, dict(bits=4, rotate=True)),
+    (1, 90, 2, 64, 16, dict(bits=4, k_bits=8)),
+    (1, 90, 2, 64, 16, dict(bits=4, k_bits=16)),
+    (1, 90, 2, 64, 16, dict(bits=16, v_bits=4)),
+    (2, 50, 2, 64, 16, dict(bits=16)),
+    (1, 120, 2, 128, 16, dict(bits=4, group_size=32, sink_blocks=0)),
+]
+
+
+def dtypes():
+    return [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-H{c[2]}-D{c[3]}-P{c[4]}-" + "-".join(f"{k}{v}" for k, v in c[5].items()))
+def test_triton_gather_matches_reference(case, dtype):
+    B, T, H, D, P, kw = case
+    cfg = KVConfig(block_size=P, **kw)
+    cache, _, _ = fill(cfg, B, T, 1, H, D, dtype=dtype, seed=T)
+    cache.seal()
+    view = cache.view(0)
+    ref_k, ref_v = gather_dequant(view, backend="reference", out_dtype=dtype)
+    k, v = gather_dequant(_to(view, DEVICE), backend="triton", out_dtype=dtype, extra=3)
+    n = ref_k.shape[2]
+    assert k.shape == (B, H, n + 3, D) and v.shape == k.shape
+    # fp32: the kernel fuses multiply-add (and rotates with its own dot), the reference rounds
+    # twice: a few fp32 ulps. 16-bit: at most one step of the output dtype.
+    for got, ref in ((k[:, :, :n].cpu(), ref_k), (v[:, :, :n].cpu(), ref_v)):
+        tol = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
+        err = ((got.double() - ref.double()).abs() / ref.double().abs().clamp_min(1.0)).max().item()
+        assert err <= tol, err
+        if not cfg.rotate:
+            assert (got != ref).double().mean().item() < 0.01  # identical almost everywhere
+
+
+def test_auto_is_reference_on_cpu_tensors():
+    cfg = KVConfig(bits=4, block_size=16)
+    cache, _, _ = fill(cfg, 1, 40, 1, 2, 64)
+    cache.seal()
+    k, v = gather_dequant(cache.view(0), extra=2)
+    rk, rv = gather_dequant(cache.view(0), backend="reference")
+    assert torch.equal(k[:, :, :-2], rk) and torch.equal(v[:, :, :-2], rv) and k.shape[2] == rk.shape[2] + 2
+    with pytest.raises(ValueError, match="extra"):
+        gather_dequant(cache.view(0), extra=-1)
