@@ -34,12 +34,13 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
     """One side (K or V) of one block: copy a sink or 16-bit page, or dequantize codes."""
     offs_d = tl.arange(0, D)
     bh = blk * H + h
+    # (each branch names its own values: the compiler wants one type per name across a branch)
     if is_sink:
-        x = tl.load(SINK + bh * P * D + offs_p[:, None] * D + offs_d[None, :])
-        tl.store(OUT + out_rows + offs_d[None, :], x.to(OUT.dtype.element_ty))
+        xs = tl.load(SINK + bh * P * D + offs_p[:, None] * D + offs_d[None, :])
+        tl.store(OUT + out_rows + offs_d[None, :], xs.to(OUT.dtype.element_ty))
     elif BITS == 16:
-        x = tl.load(DENSE + bh * P * D + offs_p[:, None] * D + offs_d[None, :])
-        tl.store(OUT + out_rows + offs_d[None, :], x.to(OUT.dtype.element_ty))
+        xd = tl.load(DENSE + bh * P * D + offs_p[:, None] * D + offs_d[None, :])
+        tl.store(OUT + out_rows + offs_d[None, :], xd.to(OUT.dtype.element_ty))
     else:
         PER: tl.constexpr = 8 // BITS if BITS < 8 else 1
         DS: tl.constexpr = D // PER
