@@ -227,6 +227,8 @@ class PagedKVCache:
         """Split row groups so that rows stay together only if the block at tail offset
         `start` has identical K and V bytes in every layer. A per-row checksum (one
         reduction, one sync) keeps byte comparisons to rows that may be equal."""
+        if all(len(g) == 1 for g in groups):  # nothing left to share (batch 1, or split rows)
+            return groups
         P = self.block_size
         kb, vb = self.tail_k[:, :, :, start : start + P], self.tail_v[:, :, :, start : start + P]
         sig = (kb.float().sum(dim=(0, 2, 3, 4)) + 3.0 * vb.float().sum(dim=(0, 2, 3, 4))).tolist()
