@@ -64,7 +64,7 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
             tl.store(OUT + out_rows + offs_d[None, :], acc.to(OUT.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "s_ob", "s_oh", "n_sink"])  # they change per call
 def _gather_kernel(TABLE, SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, HMAT, OK, OV,
                    stride_tb, s_ob, s_oh, s_ot, n_sink,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,

@@ -117,7 +117,9 @@ def _store(O, off, a0, a1, a2, a3, inv, om, PV: tl.constexpr):
         tl.store(O + off + 3, (a3 * inv).to(O.dtype.element_ty), mask=om)
 
 
-@triton.jit
+# Integers that change from step to step are not specialized: Triton would compile a new
+# variant the first time each turns 1 or a multiple of 16 (tail_len does within 16 steps).
+@triton.jit(do_not_specialize=["stride_tb", "n_blocks", "n_sink", "tail_len", "blocks_per_split", "n_splits"])
 def _decode_kernel(
     Q, QR, TABLE, START,
     SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, TAIL_K, TAIL_V,
@@ -301,7 +303,7 @@ def _decode_kernel(
     tl.store(LSE + (b * H * G + h * G + offs_g) * n_splits + split, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "s_o_b", "s_o_h", "s_o_s", "s_l_b", "s_l_h"])
 def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
                   HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr):
     """Merge the splits of one (row, query head) by log-sum-exp."""
