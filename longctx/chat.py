@@ -117,7 +117,7 @@ class ChatSession:
                 on_prefill(done, len(new))
 
         try:
-            return prefill(self.model, self.cache, torch.tensor([new], device=self.model.device), chunk=self.chunk, on_chunk=progress)
+            return prefill(self.model, self.cache, torch.tensor([new], device=self.model.device), chunk=self.chunk, on_chunk=progress, all_logits=False)
         finally:
             self.cached_ids = base + new[: fed[0]]
 

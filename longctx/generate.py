@@ -7,6 +7,7 @@ read back from the cache, as a long document would be.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,16 +41,21 @@ def prefill(
     *,
     chunk: int = 512,
     on_chunk: Callable[[int, torch.Tensor], None] | None = None,
+    all_logits: bool = True,
 ) -> torch.Tensor:
     """Feed input_ids [B, T] into `cache` in chunks; returns the last position's logits [B, V].
 
     on_chunk(tokens_done, logits [B, C, V]) is called after every chunk (progress, scoring).
+    all_logits=False computes only each chunk's last position (logits [B, 1, V]): a chunk of
+    C tokens then never holds C x vocab logits (what `longctx plan` assumes for generation).
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"prefill: input_ids must be [batch, tokens>0], got {tuple(input_ids.shape)}")
     if chunk < 1:
         raise ValueError(f"prefill: chunk must be >= 1, got {chunk}")
     kw = cache_kwargs(model, cache)
+    if not all_logits and "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kw["logits_to_keep"] = 1
     logits = None
     for c0 in range(0, input_ids.shape[1], chunk):
         ids = input_ids[:, c0 : c0 + chunk].to(model.device)

@@ -4,17 +4,18 @@ import json
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from longctx.cli import app
 
-runner = CliRunner()
+runner = CliRunner(env={"COLUMNS": "200"})  # rich wraps at 80 columns otherwise
 
 
 def test_help_lists_commands():
     r = runner.invoke(app, ["--help"])
     assert r.exit_code == 0
-    for cmd in ("eval", "bench", "info"):
+    for cmd in ("eval", "bench", "info", "chat", "plan"):
         assert cmd in r.output
 
 
@@ -33,43 +34,116 @@ def test_info_table():
     assert r.exit_code == 0 and "Attention backends" in r.output and "reference" in r.output
 
 
+def one_line_error(r, args):
+    assert r.exit_code == 2, (args, r.output)
+    lines = [line for line in r.stderr.splitlines() if line.strip() and "Converting" not in line and "Loading" not in line]
+    assert len(lines) == 1 and lines[0].startswith("error:"), (args, r.stderr)
+    return lines[0]
+
+
 def test_known_errors_are_one_line_with_exit_code_2():
     for args in (["eval", "quality", "--formats", "int9"], ["bench", "decode", "--contexts", "4x"]):
-        p = subprocess.run([sys.executable, "-m", "longctx", *args], capture_output=True, text=True)
-        assert p.returncode == 2, (args, p.stderr)
-        lines = [line for line in p.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("error:"), p.stderr
+        one_line_error(runner.invoke(app, args), args)
+
+
+def test_main_entry_point_exits_2_on_known_errors():
+    p = subprocess.run([sys.executable, "-m", "longctx", "plan", "--gpu", "rtx-4009"], capture_output=True, text=True, check=False)
+    assert p.returncode == 2 and p.stderr.strip().startswith("error: unknown GPU") and "\n" not in p.stderr.strip()
+
+
+# ---------------------------------------------------------------------- plan
+def test_plan_table_and_json_match_the_library():
+    from longctx.plan import model_shape, plan
+
+    r = runner.invoke(app, ["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090", "--weights-bits", "4", "--offload-gb", "16"])
+    assert r.exit_code == 0, r.output
+    lib = plan(model_shape("llama-3.1-8b"), "rtx-4090", 24, weights_bits=4, offload_gib=16)
+    for row in lib.rows:
+        assert f"{row.max_tokens:,}" in r.stdout and f"{row.max_tokens_offload:,}" in r.stdout and row.format in r.stdout
+    assert "fragmentation reserve" in r.stdout and "not what runs today" in r.stdout
+    j = runner.invoke(app, ["plan", "--model", "smollm2-135m", "--gpu-mem", "4GB", "--kv-bits", "16", "--json"])
+    data = json.loads(j.stdout)
+    assert data["rows"][0]["max_tokens"] == 124_884  # the case computed by hand in tests/test_plan.py
+    assert data["budget"]["for_kv"] == 3_005_882_548
+
+
+def test_plan_bad_inputs_are_one_line_errors(tmp_path):
+    cases = {("plan", "--model", "lama-3.1-8b"): "did you mean llama-3.1-8b", ("plan", "--gpu", "rtx4090"): "did you mean rtx-4090",
+             ("plan", "--kv-bits", "3"): "16, 8, 4 or 2", ("plan", "--kv-bits", "four"): "bad --kv-bits",
+             ("plan", "--weights-bits", "2"): "--weights-bits", ("plan", "--gpu-mem", "lots"): "bad memory size",
+             ("plan", "--model", str(tmp_path / "missing")): "no model directory"}
+    for args, expect in cases.items():
+        assert expect in one_line_error(runner.invoke(app, list(args)), args)
+
+
+def test_plan_list_and_help():
+    r = runner.invoke(app, ["plan", "--list"])
+    assert r.exit_code == 0 and "llama-3.1-8b" in r.stdout and "rtx-4090" in r.stdout
+    h = runner.invoke(app, ["plan", "--help"])
+    assert h.exit_code == 0 and "Examples" in h.stdout and "longctx plan --model" in h.stdout
 
 
 # ---------------------------------------------------------------------- chat (embedded model)
-def run_cli(args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "longctx", *args], input=stdin, capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def loaded():
+    from longctx.models import load_model
+
+    return load_model(None, device="cpu")
+
+
+@pytest.fixture
+def reuse_model(loaded, monkeypatch):
+    """The chat command loads the embedded model through load_model: hand it the loaded one."""
+    import longctx.models
+
+    monkeypatch.setattr(longctx.models, "load_model", lambda *a, **k: loaded)
+    return loaded
 
 
 def test_chat_prompt_answers_once():
-    p = run_cli(["chat", "--prompt", "What is the capital of France?"])
-    assert p.returncode == 0, p.stderr
-    assert "Paris" in p.stdout
+    r = runner.invoke(app, ["chat", "--prompt", "What is the capital of France?"])
+    assert r.exit_code == 0, r.output
+    assert "Paris" in r.stdout
 
 
-def test_chat_interactive_through_stdin(tmp_path):
+def test_chat_interactive_through_stdin(tmp_path, reuse_model):
     transcript = tmp_path / "t.md"
     script = f"Hello! Who are you?\n/stats\n/save {transcript}\n/reset\n/stats\nName a color.\n/exit\nnot read\n"
-    p = run_cli(["chat", "--temperature", "0", "--max-new-tokens", "16", "--kv-bits", "4", "--block-size", "16"], stdin=script)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.count("Cache and speed") == 2
-    assert "conversation reset" in p.stdout
+    r = runner.invoke(app, ["chat", "--temperature", "0", "--max-new-tokens", "16", "--kv-bits", "4", "--block-size", "16"], input=script)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count("Cache and speed") == 2
+    assert "conversation reset" in r.stdout
     text = transcript.read_text()
     assert "Hello! Who are you?" in text and "**assistant**" in text
     assert "Name a color" not in text  # saved before the second question
-    tables = p.stdout.split("Cache and speed")
+    tables = r.stdout.split("Cache and speed")
     assert "16 tokens" in tables[1]  # the first turn decoded 16 tokens
+
+
+def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation(tmp_path, reuse_model, monkeypatch):
+    import longctx.chat
+
+    real_sample, calls = longctx.chat.sample, {"n": 0}
+
+    def sample_then_interrupt(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:  # Ctrl-C while the first answer streams
+            raise KeyboardInterrupt
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(longctx.chat, "sample", sample_then_interrupt)
+    transcript = tmp_path / "t.md"
+    script = f"Tell me a long story about a dragon.\nName a color.\n/save {transcript}\n/exit\n"
+    r = runner.invoke(app, ["chat", "--temperature", "0", "--max-new-tokens", "12"], input=script)
+    assert r.exit_code == 0, r.output
+    assert "(interrupted: the answer so far is kept)" in r.stdout
+    text = transcript.read_text()
+    answers = text.split("**assistant**")[1:]
+    assert len(answers) == 2 and answers[0].strip()  # the cut answer (4 tokens) is kept
+    assert "Name a color." in text and answers[1].strip()  # and the chat went on
 
 
 def test_chat_bad_inputs_are_one_line_errors(tmp_path):
     for args in (["chat", "--kv-bits", "3", "--prompt", "x"], ["chat", "--file", str(tmp_path / "missing.txt")],
                  ["chat", "--model", str(tmp_path / "none.gguf"), "--prompt", "x"], ["chat", "--device", "tpu"]):
-        p = run_cli(args)
-        assert p.returncode == 2, (args, p.stderr)
-        lines = [line for line in p.stderr.splitlines() if line.strip() and "Converting" not in line and "Loading" not in line]
-        assert len(lines) == 1 and lines[0].startswith("error:"), (args, p.stderr)
+        one_line_error(runner.invoke(app, args), args)

@@ -6,7 +6,7 @@ on stderr with exit code 2, instead of a traceback.
 
 from __future__ import annotations
 
-import sys
+import functools
 
 import typer
 
@@ -14,6 +14,7 @@ from .bench import app as bench_app
 from .chat import chat
 from .eval import app as eval_app
 from .info import info
+from .plan import plan
 
 app = typer.Typer(
     name="longctx",
@@ -26,16 +27,34 @@ app.add_typer(eval_app, name="eval")
 app.add_typer(bench_app, name="bench")
 app.command("info")(info)
 app.command("chat")(chat)
+app.command("plan")(plan)
+
+
+def _one_line_errors(fn):
+    """Known errors (LongCtxError, bad values, missing files) print one line on stderr and
+    exit with code 2, inside the app, so that `main()` and test runners see the same."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from rich.console import Console
+
+        from ..errors import LongCtxError
+
+        try:
+            return fn(*args, **kwargs)
+        except (LongCtxError, ValueError, FileNotFoundError) as e:
+            line = str(e).splitlines()[0] if str(e) else type(e).__name__
+            Console(stderr=True).print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=2) from None
+
+    return wrapper
+
+
+for _typer in (app, eval_app, bench_app):
+    for _cmd in _typer.registered_commands:
+        _cmd.callback = _one_line_errors(_cmd.callback)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rich.console import Console
-
-    from ..errors import LongCtxError
-
-    try:
-        app(args=argv, standalone_mode=True)
-    except (LongCtxError, ValueError, FileNotFoundError) as e:
-        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        sys.exit(2)
+    app(args=argv, standalone_mode=True)
 

@@ -117,7 +117,7 @@ def chat(
         try:
             session.send(text, sampling, on_token=lambda piece: out.print(piece, end="", soft_wrap=True), on_prefill=bar, generator=gen)
         except KeyboardInterrupt:
-            out.print("\n[interrupted: the answer so far is kept]", style="yellow")
+            out.print("\n(interrupted: the answer so far is kept)", style="yellow", markup=False)
         finally:
             bar.close()
         out.print()

@@ -1,0 +1,85 @@
+"""`longctx plan`: the longest context that fits a model on a GPU, per KV format."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+GIB = 1 << 30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def plan(
+    model: str = typer.Option("llama-3.1-8b", "--model", help="catalog name (llama-3.1-8b, mistral-7b, qwen2.5-7b, smollm2-135m, ...), a local dir with config.json, or a hub id"),
+    gpu: str = typer.Option(None, "--gpu", help="catalog GPU (rtx-4090, rtx-3060-12gb, a100-80gb, ...); default rtx-4090 unless --gpu-mem"),
+    gpu_mem: str = typer.Option(None, "--gpu-mem", help="memory budget instead of --gpu, e.g. 24GB or 22.5GiB"),
+    weights_bits: int = typer.Option(16, "--weights-bits", help="16 (bf16), 8 or 4 (bitsandbytes)"),
+    kv_bits: str = typer.Option("16,8,4,2", "--kv-bits", help="KV formats to plan, from 16,8,4,2 (2 = int2 with rotation)"),
+    offload_gb: float = typer.Option(0.0, "--offload-gb", help="pinned host memory for the offload tier (GiB)"),
+    batch: int = typer.Option(1, "--batch", help="rows decoded together"),
+    block_size: int = typer.Option(64, "--block-size", help="tokens per page"),
+    prefill_chunk: int = typer.Option(2048, "--prefill-chunk", help="tokens per prefill forward"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
+    list_catalog: bool = typer.Option(False, "--list", help="list the catalog's models and GPUs and exit"),
+) -> None:
+    """The longest context that fits, per KV format, and the budget behind it.
+
+    Examples:
+      longctx plan --model llama-3.1-8b --gpu rtx-4090 --weights-bits 4
+      longctx plan --model mistral-7b --gpu-mem 12GB --kv-bits 4 --offload-gb 32
+      longctx plan --model ./Qwen2.5-7B-Instruct --gpu rtx-3060-12gb --json
+    """
+    from ..plan import catalog_gpus, catalog_models, gpu_memory, model_shape
+    from ..plan import plan as make_plan
+
+    if list_catalog:
+        typer.echo("models: " + ", ".join(catalog_models()))
+        typer.echo("gpus:   " + ", ".join(catalog_gpus()))
+        return
+    try:
+        bits = [int(b) for b in kv_bits.split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"bad --kv-bits {kv_bits!r}: use numbers from 16,8,4,2 such as 8,4") from None
+    if weights_bits not in (16, 8, 4):
+        raise ValueError(f"--weights-bits must be 16, 8 or 4, got {weights_bits}")
+    shape = model_shape(model)
+    label, gib = gpu_memory(gpu if gpu or gpu_mem else "rtx-4090", gpu_mem)
+    p = make_plan(shape, label, gib, weights_bits=weights_bits, kv_bits=bits, batch=batch, block_size=block_size,
+                  prefill_chunk=prefill_chunk, offload_gib=offload_gb)
+    if as_json:
+        typer.echo(json.dumps(p.as_dict(), indent=1))
+        return
+    console = Console()
+    limit = f"{p.max_context:,}" if p.max_context else "unknown"
+    t = Table(title=f"{p.model} ({p.params / 1e9:.2f}B params, {weights_bits}-bit weights) on {label}: {gib:g} GiB, batch {batch}")
+    cols = ["KV format", "KV bytes/token", "max tokens (GPU)"] + (["with offload"] if offload_gb else []) + [f"model limit {limit}"]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "KV format" else "right")
+    for r in p.rows:
+        cells = [r.format, f"{r.kv_bytes_per_token:,.0f}", f"{r.max_tokens:,}"]
+        if offload_gb:
+            cells.append(f"{r.max_tokens_offload:,}")
+        cells.append("fits" if r.fits_model_limit else "short")
+        t.add_row(*cells)
+    console.print(t)
+    b = p.budget
+    bt = Table(title="Budget")
+    bt.add_column("item")
+    bt.add_column("bytes", justify="right")
+    bt.add_row("GPU memory", _gib(b.total))
+    bt.add_row("weights", _gib(b.weights))
+    bt.add_row("runtime overhead (CUDA context, workspaces)", _gib(b.overhead))
+    bt.add_row("fragmentation reserve (5 %)", _gib(b.reserve))
+    bt.add_row("left for KV + activations", _gib(b.for_kv))
+    for r in p.rows:
+        bt.add_row(f"activations at a {prefill_chunk}-token chunk, {r.format} ({r.max_tokens:,} tokens)", _gib(r.activations))
+    console.print(bt)
+    if offload_gb:
+        console.print("[dim]with offload: sealed pages kept in pinned host memory; the cache does not spill pages to the host yet, "
+                      "so this column is what that tier will allow, not what runs today.[/]")

@@ -1,0 +1,311 @@
+"""How long a context fits: weights, KV bytes per token, activations and reserves on one GPU.
+
+`plan(model, gpu_gib, ...)` -> `Plan` with one `PlanRow` per KV format. The KV bytes come
+from `kv_bytes`, the same arithmetic as `memory_report` (sinks, sealed blocks, the tail; a
+test holds the two equal). Everything else is an estimate, documented term by term in
+`Budget`; `longctx plan` renders it. The catalog is `longctx/configs/{models,gpus}.yaml`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from .config import KVConfig
+from .errors import LongCtxError, ModelNotFoundError
+from .quant import BlockFormat
+
+GIB = 1 << 30
+RUNTIME_OVERHEAD = 768 << 20  # CUDA context, cuBLAS/cuDNN workspaces, allocator bookkeeping
+FRAGMENTATION = 0.05  # share of the budget kept free for the caching allocator's slack
+
+
+class UnknownNameError(LongCtxError, ValueError):
+    """A model or GPU name that is not in the catalog (the message suggests close matches)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+    max_context: int | None = None
+    hub: str | None = None
+
+    def param_count(self) -> int:
+        """Parameters of a Llama-style decoder (RMSNorm, gated MLP), from the shape alone."""
+        q = self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        attn = self.hidden * (q + 2 * kv) + q * self.hidden + (q + 2 * kv if self.qkv_bias else 0)
+        mlp = 3 * self.hidden * self.intermediate
+        per_layer = attn + mlp + 2 * self.hidden
+        embed = self.vocab * self.hidden
+        return self.layers * per_layer + self.hidden + embed * (1 if self.tied else 2)
+
+    def embedding_params(self) -> int:
+        """Embedding and LM head (kept 16-bit by bitsandbytes quantization)."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+
+@functools.cache
+def _catalog(kind: str) -> dict:
+    import yaml
+
+    text = resources.files("longctx").joinpath(f"configs/{kind}.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def catalog_models() -> dict:
+    return _catalog("models")
+
+
+def catalog_gpus() -> dict:
+    return _catalog("gpus")
+
+
+def _unknown(what: str, name: str, choices) -> UnknownNameError:
+    close = difflib.get_close_matches(name.lower(), list(choices), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(choices))}"
+    return UnknownNameError(f"unknown {what} {name!r}{hint}")
+
+
+def model_shape(name: str) -> ModelShape:
+    """A catalog name, a local directory with config.json, or a hub id (needs the network)."""
+    models = catalog_models()
+    if name.lower() in models:
+        return ModelShape(name=name.lower(), **models[name.lower()])
+    path = Path(name).expanduser()
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelNotFoundError(f"{path} has no config.json")
+        return shape_from_config(json.loads(cfg_file.read_text()), name=str(path))
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith((".json", ".gguf", ".safetensors"))
+    if looks_like_path:
+        raise ModelNotFoundError(f"no model directory at {name!r} (plan needs a directory with config.json)")
+    if "/" not in name:  # not a hub id: most likely a catalog name with a typo
+        raise _unknown("model", name, models)
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(name).to_dict()
+    except Exception as e:  # offline, gated, or no such repo
+        raise ModelNotFoundError(f"cannot read the config of {name!r} from the hub ({type(e).__name__}); "
+                                 f"use a catalog name ({', '.join(sorted(models)[:4])}, ...) or a local directory") from None
+    return shape_from_config(cfg, name=name)
+
+
+def shape_from_config(cfg: dict, name: str = "") -> ModelShape:
+    text = cfg.get("text_config") or cfg
+    heads = text["num_attention_heads"]
+    return ModelShape(
+        name=name,
+        layers=text["num_hidden_layers"],
+        hidden=text["hidden_size"],
+        heads=heads,
+        kv_heads=text.get("num_key_value_heads") or heads,
+        head_dim=text.get("head_dim") or text["hidden_size"] // heads,
+        intermediate=text["intermediate_size"],
+        vocab=text["vocab_size"],
+        tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        qkv_bias=bool(text.get("attention_bias", False) or text.get("model_type") == "qwen2"),
+        max_context=text.get("max_position_embeddings"),
+    )
+
+
+def gpu_memory(name: str | None, mem: str | None) -> tuple[str, float]:
+    """(label, GiB) from a catalog name or a size such as '24GB', '22GiB', '16'."""
+    if mem:
+        return f"{mem} budget", parse_size_gib(mem)
+    if not name:
+        raise UnknownNameError("give --gpu (a catalog name such as rtx-4090) or --gpu-mem (such as 24GB)")
+    gpus = catalog_gpus()
+    if name.lower() not in gpus:
+        raise _unknown("GPU", name, gpus)
+    return name.lower(), float(gpus[name.lower()]["memory_gib"])
+
+
+def parse_size_gib(text: str) -> float:
+    t = text.strip().lower().replace(" ", "")
+    for suffix, mult in (("gib", 1.0), ("gb", 1.0), ("g", 1.0), ("mib", 1 / 1024), ("mb", 1 / 1024)):
+        if t.endswith(suffix):
+            t, m = t[: -len(suffix)], mult
+            break
+    else:
+        m = 1.0
+    try:
+        value = float(t) * m
+    except ValueError:
+        raise ValueError(f"bad memory size {text!r}: use a number of GiB such as 24, 24GB or 22.5GiB") from None
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return value
+
+
+def kv_bytes(shape: ModelShape, cfg: KVConfig, tokens: int, rows: int = 1, elem_bytes: int = 2) -> int:
+    """Bytes a PagedKVCache holds for `rows` rows of `tokens` tokens once full blocks are sealed:
+    sink blocks, quantized (or 16-bit) pages with their scales, and the partial tail. The
+    same count as `memory_report`'s total_bytes (tests/test_plan.py)."""
+    cfg = cfg.resolve(shape.layers, shape.head_dim)
+    P, H, D, L = cfg.block_size, shape.kv_heads, shape.head_dim, shape.layers
+    n = tokens // P
+    sinks = min(cfg.sink_blocks, n)
+    per_block = 0
+    for layer in range(L):
+        kb, vb = cfg.layer_bits(layer)
+        per_block += sum(BlockFormat(kb, vb, P, cfg.group_size, D, H, _dtype(elem_bytes), cfg.rotate).block_bytes().values())
+    dense_block = L * 2 * H * P * D * elem_bytes
+    tail = (tokens - n * P) * L * 2 * H * D * elem_bytes
+    return rows * (sinks * dense_block + (n - sinks) * per_block + tail)
+
+
+def _dtype(elem_bytes: int):
+    import torch
+
+    return {2: torch.bfloat16, 4: torch.float32}[elem_bytes]
+
+
+def weight_bytes(shape: ModelShape, bits: int) -> int:
+    """bf16 weights; or bitsandbytes: int8 (LLM.int8, ~1 byte per weight) or NF4 (half a
+    byte plus an fp32 absmax per 64 weights), embeddings and LM head kept 16-bit."""
+    total = shape.param_count()
+    match bits:
+        case 16:
+            return 2 * total
+        case 8 | 4:
+            emb = shape.embedding_params()
+            norms = shape.layers * 2 * shape.hidden + shape.hidden
+            per = 1.0 if bits == 8 else 0.5 + 4 / 64
+            return int(2 * (emb + norms) + per * (total - emb - norms))
+        case _:
+            raise ValueError(f"weights bits must be 16, 8 or 4, got {bits}")
+
+
+def activation_bytes(shape: ModelShape, chunk: int, context: int, batch: int = 1) -> int:
+    """Peak transient memory of one prefill chunk of `chunk` tokens at `context` tokens:
+    the layer's hidden states, q/k/v, the gated MLP's three intermediate tensors (bf16),
+    last-position logits (fp32), and the dense bf16 staging copy of one layer's past that
+    prefill attention reads (it grows with the context)."""
+    hidden = chunk * shape.hidden * 2 * 4
+    qkv = chunk * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * 2
+    mlp = chunk * shape.intermediate * 2 * 3
+    logits = shape.vocab * 4 * 2
+    staging = context * 2 * shape.kv_heads * shape.head_dim * 2
+    return batch * (hidden + qkv + mlp + logits + staging)
+
+
+@dataclass
+class Budget:
+    gpu: str
+    total: int  # bytes of GPU memory planned for
+    weights: int
+    overhead: int  # RUNTIME_OVERHEAD
+    reserve: int  # FRAGMENTATION of the total
+    activations: int  # at the prefill chunk and the planned context (of the first row)
+
+    @property
+    def for_kv(self) -> int:
+        return self.total - self.weights - self.overhead - self.reserve
+
+
+@dataclass
+class PlanRow:
+    format: str
+    kv_bytes_per_token: float  # at the planned context, sinks and tail included (per row)
+    max_tokens: int  # per row, GPU only, the model's limit aside
+    max_tokens_offload: int | None  # with --offload-gb of pinned host memory for cold pages
+    fits_model_limit: bool  # max_tokens >= the model's max_context
+    activations: int
+
+
+@dataclass
+class Plan:
+    model: str
+    params: int
+    weights_bits: int
+    batch: int
+    block_size: int
+    prefill_chunk: int
+    max_context: int | None
+    budget: Budget
+    rows: list[PlanRow] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["budget"]["for_kv"] = self.budget.for_kv
+        return d
+
+
+FORMAT_PRESETS = {16: {"bits": 16}, 8: {"bits": 8}, 4: {"bits": 4}, 2: {"bits": 2, "rotate": True}}
+
+
+def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16, kv_bits=(16, 8, 4, 2), batch: int = 1,
+         block_size: int = 64, prefill_chunk: int = 2048, offload_gib: float = 0.0) -> Plan:
+    """The longest context per row for each KV format (binary search on the exact KV bytes)."""
+    if batch < 1 or prefill_chunk < 1 or offload_gib < 0:
+        raise ValueError(f"batch and prefill_chunk must be >= 1 and offload >= 0; got {batch}, {prefill_chunk}, {offload_gib}")
+    total = int(gpu_gib * GIB)
+    budget = Budget(gpu, total, weight_bytes(shape, weights_bits), RUNTIME_OVERHEAD, int(FRAGMENTATION * total), 0)
+    out = Plan(shape.name, shape.param_count(), weights_bits, batch, block_size, prefill_chunk, shape.max_context, budget)
+    for bits in kv_bits:
+        if bits not in FORMAT_PRESETS:
+            raise ValueError(f"kv bits must be 16, 8, 4 or 2, got {bits}")
+        cfg = KVConfig(**FORMAT_PRESETS[bits], block_size=block_size)
+
+        def need(t: int, cfg=cfg) -> int:
+            return kv_bytes(shape, cfg, t, batch) + activation_bytes(shape, min(prefill_chunk, max(t, 1)), t, batch)
+
+        best = _largest(lambda t: need(t) <= budget.for_kv)
+        off = None
+        if offload_gib > 0:
+            # sealed quantized pages can live in host memory; sinks, tails and staging stay
+            host = int(offload_gib * GIB)
+            off = _largest(lambda t, cfg=cfg: need(t) <= budget.for_kv + min(host, _sealed_bytes(shape, cfg, t, batch)))
+        label = KVConfig(**FORMAT_PRESETS[bits]).describe()
+        per_token = kv_bytes(shape, cfg, best, batch) / (best * batch) if best else 0.0
+        out.rows.append(PlanRow(label, per_token, best, off, shape.max_context is None or best >= shape.max_context,
+                                activation_bytes(shape, min(prefill_chunk, max(best, 1)), best, batch)))
+    if out.rows:
+        budget.activations = out.rows[-1].activations
+    return out
+
+
+def _sealed_bytes(shape: ModelShape, cfg: KVConfig, tokens: int, rows: int) -> int:
+    """The part of kv_bytes in sealed (non-sink) pages: what an offload tier can hold."""
+    P = cfg.block_size
+    n = tokens // P
+    sinks = min(cfg.sink_blocks, n)
+    no_tail = kv_bytes(shape, cfg, n * P, rows)
+    sink_only = kv_bytes(shape, cfg, sinks * P, rows)
+    return no_tail - sink_only
+
+
+def _largest(ok) -> int:
+    """Largest t >= 0 with ok(t) (ok is monotone); 0 when even one token does not fit."""
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 34:
+            return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def replace_kv(p: Plan, **kw) -> Plan:
+    return dataclasses.replace(p, **kw)

@@ -1,0 +1,126 @@
+"""`longctx plan`: KV bytes equal the cache's own accounting; a case computed by hand."""
+
+import pytest
+
+from longctx import KVConfig
+from longctx.cache import PagedKVCache
+from longctx.plan import (
+    RUNTIME_OVERHEAD,
+    UnknownNameError,
+    activation_bytes,
+    catalog_gpus,
+    catalog_models,
+    gpu_memory,
+    kv_bytes,
+    model_shape,
+    parse_size_gib,
+    plan,
+    weight_bytes,
+)
+from longctx.testing import random_kv
+
+SMOL = model_shape("smollm2-135m")
+
+
+@pytest.mark.parametrize("kw", [dict(bits=16), dict(bits=8), dict(bits=4), dict(bits=4, k_bits=8), dict(bits=2, rotate=True),
+                                dict(bits=4, layers_16bit=(0, 29)), dict(bits=4, sink_blocks=0), dict(bits=4, block_size=16)],
+                         ids=lambda kw: KVConfig(**kw).describe() + ("-l16" if "layers_16bit" in kw else "") + ("-nosink" if "sink_blocks" in kw else "")
+                         + (f"-p{kw['block_size']}" if "block_size" in kw else ""))
+@pytest.mark.parametrize("tokens, rows", [(1, 1), (64, 1), (65, 2), (300, 1)])
+def test_kv_bytes_equal_memory_report(kw, tokens, rows):
+    cfg = KVConfig(**kw, dtype="bfloat16")
+    cache = PagedKVCache(cfg, num_layers=SMOL.layers, num_kv_heads=SMOL.kv_heads, head_dim=SMOL.head_dim)
+    k, v = random_kv(rows, SMOL.kv_heads, tokens, SMOL.head_dim, seed=tokens)
+    for layer in range(SMOL.layers):
+        cache.append(layer, k, v)
+    rep = cache.memory_report()
+    assert rep.tokens == tokens and rep.rows == rows
+    assert kv_bytes(SMOL, cfg, tokens, rows) == rep.total_bytes
+    assert kv_bytes(SMOL, cfg, tokens, rows) / (tokens * rows) == rep.bytes_per_token
+
+
+def test_a_plan_computed_by_hand():
+    # SmolLM2-135M, bf16 weights, a bf16 KV cache, a 4 GiB budget, 2048-token chunks:
+    params = 30 * (576 * (9 * 64 + 2 * 3 * 64) + 9 * 64 * 576 + 3 * 576 * 1536 + 2 * 576) + 576 + 49152 * 576  # tied
+    assert params == SMOL.param_count() == 134_515_008
+    weights = 2 * params
+    for_kv = 4 * 2**30 - weights - RUNTIME_OVERHEAD - int(0.05 * 4 * 2**30)
+    kv_per_token = 30 * 2 * 3 * 64 * 2  # layers * (K, V) * kv heads * head_dim * bf16
+    staging_per_token = 2 * 3 * 64 * 2  # one layer's dense past while a chunk prefills
+    chunk = 2048 * 576 * 2 * 4 + 2048 * (9 + 6) * 64 * 2 + 2048 * 1536 * 2 * 3 + 49152 * 4 * 2
+    expected = (for_kv - chunk) // (kv_per_token + staging_per_token)
+    assert (kv_per_token, expected) == (23040, 124_884)
+    p = plan(SMOL, "test", 4.0, weights_bits=16, kv_bits=(16,), prefill_chunk=2048)
+    assert p.budget.weights == weights and p.budget.for_kv == for_kv
+    assert p.rows[0].max_tokens == expected and p.rows[0].kv_bytes_per_token == kv_per_token
+    assert not p.rows[0].fits_model_limit or expected >= 8192
+
+
+def test_fewer_bits_fit_more_and_bigger_budgets_fit_more():
+    shape = model_shape("llama-3.1-8b")
+    p = plan(shape, "rtx-4090", 24, weights_bits=4)
+    tokens = [r.max_tokens for r in p.rows]
+    assert [r.format for r in p.rows] == ["bf16", "int8", "int4", "int2+rot"]
+    assert tokens == sorted(tokens) and tokens[0] > 0
+    # bf16 K/V of Llama-3.1-8B: 128 KiB per token; int4 at 64-token pages well under a third
+    assert p.rows[0].kv_bytes_per_token == 131072 and p.rows[2].kv_bytes_per_token < 0.3 * 131072
+    assert plan(shape, "a100-80gb", 79, weights_bits=4, kv_bits=(4,)).rows[0].max_tokens > tokens[2]
+    assert plan(shape, "rtx-4090", 24, weights_bits=16, kv_bits=(4,)).rows[0].max_tokens < tokens[2]
+    assert plan(shape, "rtx-4090", 24, weights_bits=4, kv_bits=(4,), batch=2).rows[0].max_tokens < tokens[2]
+    off = plan(shape, "rtx-4090", 24, weights_bits=4, kv_bits=(4,), offload_gib=32).rows[0]
+    assert off.max_tokens_offload > off.max_tokens
+
+
+def test_nothing_fits_when_weights_do_not():
+    p = plan(model_shape("qwen2.5-14b"), "rtx-3060-8gb", 8, weights_bits=16, kv_bits=(4,))
+    assert p.budget.for_kv < 0 and p.rows[0].max_tokens == 0
+
+
+def test_weights_by_bits():
+    shape = model_shape("llama-3.1-8b")
+    assert weight_bytes(shape, 16) == 2 * shape.param_count()
+    assert 0.25 < weight_bytes(shape, 4) / weight_bytes(shape, 16) < 0.4  # embeddings stay 16-bit
+    assert 0.5 < weight_bytes(shape, 8) / weight_bytes(shape, 16) < 0.6
+    with pytest.raises(ValueError, match="16, 8 or 4"):
+        weight_bytes(shape, 3)
+
+
+def test_catalog_is_big_enough_and_consistent():
+    models, gpus = catalog_models(), catalog_gpus()
+    assert len(models) >= 12 and len(gpus) >= 15
+    for name in models:
+        s = model_shape(name)
+        assert s.heads % s.kv_heads == 0 and s.param_count() > 0
+    assert {"consumer", "datacenter"} == {g["kind"] for g in gpus.values()}
+    # published sizes: Llama-3.1-8B 8.03B, Mistral-7B-v0.3 7.25B, Qwen2.5-7B 7.62B parameters
+    assert round(model_shape("llama-3.1-8b").param_count() / 1e9, 2) == 8.03
+    assert round(model_shape("mistral-7b").param_count() / 1e9, 2) == 7.25
+    assert round(model_shape("qwen2.5-7b").param_count() / 1e9, 2) == 7.62
+
+
+def test_unknown_names_suggest_close_matches(tmp_path):
+    with pytest.raises(UnknownNameError, match="did you mean llama-3.1-8b"):
+        model_shape("lama-3.1-8b")
+    with pytest.raises(UnknownNameError, match="did you mean rtx-4090"):
+        gpu_memory("rtx-4009", None)
+    with pytest.raises(Exception, match="no model directory"):
+        model_shape(str(tmp_path / "missing"))
+
+
+def test_local_dir_with_config_json(tmp_path):
+    import json
+
+    cfg = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True, "max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    s = model_shape(str(tmp_path))
+    assert s.param_count() == SMOL.param_count() and s.head_dim == 64 and s.max_context == 8192
+
+
+def test_sizes_and_activations():
+    assert parse_size_gib("24GB") == 24 and parse_size_gib("22.5GiB") == 22.5 and parse_size_gib("512MB") == 0.5
+    with pytest.raises(ValueError, match="bad memory size"):
+        parse_size_gib("lots")
+    a, b = activation_bytes(SMOL, 2048, 10_000), activation_bytes(SMOL, 2048, 20_000)
+    assert b - a == 10_000 * 2 * 3 * 64 * 2  # the staged past grows with the context
+
