@@ -55,7 +55,7 @@ def support_matrix() -> list[Support]:
     elif not cuda:
         rows.append(Support("triton", False, "needs a CUDA GPU (on CPU only under TRITON_INTERPRET=1, for tests)"))
     else:
-        rows.append(Support("triton", True, "fused decode kernel reading packed pages; sealing kernel; default on CUDA", ALLOWED_BITS))
+        rows.append(Support("triton", True, "fused decode kernel reading packed pages; sealing and gather kernels (prefill stages the past, then SDPA); default on CUDA", ALLOWED_BITS))
     rows.append(Support("flash", False, "not implemented yet (needs flash-attn and 256-token pages)"))
     rows.append(Support("flex", False, "not implemented yet (FlexAttention over bf16 pages)"))
     return rows
