@@ -126,7 +126,9 @@ class PagedKVCache:
             yield "v_zero", (n, H, P, D // fmt.group_size), dt
 
     def _grow_pools(self) -> None:
-        """Make every pool at least as large as its allocator's capacity (doubling)."""
+        """Make every pool at least as large as its allocator's capacity: by doubling, or,
+        with `max_blocks`, straight to max_blocks at the first need (one allocation, no
+        copy later: memory is what `longctx plan` predicts, with no transient 1.5x)."""
         need = self.block_alloc.capacity
         for pages in self.pages:
             for name, shape, dtype in self._pool_fields(pages.fmt, 0):
@@ -134,7 +136,7 @@ class PagedKVCache:
                 if t.shape[0] < need:
                     cap = max(need, 2 * t.shape[0], 4)
                     if self.config.max_blocks is not None:
-                        cap = max(need, min(cap, self.config.max_blocks))
+                        cap = max(need, self.config.max_blocks)
                     grown = torch.zeros((cap, *shape[1:]), dtype=dtype, device=self.device)
                     grown[: t.shape[0]] = t
                     setattr(pages, name, grown)

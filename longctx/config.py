@@ -38,8 +38,10 @@ class KVConfig:
     layers_16bit: decoder layers whose pages stay unquantized.
     dtype:       dtype of unquantized data (tails, sinks, 16-bit pages) and of scales;
                  "auto" takes the model's dtype for K/V.
-    max_blocks:  cap on quantized pages per tier (None: grow as needed); reaching it
-                 raises `CacheFullError`, which says how many tokens still fit.
+    max_blocks:  cap on quantized pages per tier (None: grow as needed, by doubling). Set,
+                 the pools are allocated at this size when the first block is sealed and
+                 never copied later; reaching it raises `CacheFullError`, which says how
+                 many tokens still fit. `longctx plan --json` gives the value per format.
     backend:     attention backend: "reference" (torch), "triton" (fused decode kernel;
                  prefill chunks dequantize the past, then exact attention), or "auto":
                  triton on CUDA when it imports, else reference.

@@ -228,6 +228,7 @@ class PlanRow:
     max_tokens_offload: int | None  # with --offload-gb of pinned host memory for cold pages
     fits_model_limit: bool  # max_tokens >= the model's max_context
     activations: int
+    max_blocks: int = 0  # KVConfig(max_blocks=...) for max_tokens: the pools, allocated once
 
 
 @dataclass
@@ -275,8 +276,10 @@ def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16,
             off = _largest(lambda t, cfg=cfg: need(t) <= budget.for_kv + min(host, _sealed_bytes(shape, cfg, t, batch)))
         label = KVConfig(**FORMAT_PRESETS[bits]).describe()
         per_token = kv_bytes(shape, cfg, best, batch) / (best * batch) if best else 0.0
+        sealed = best // block_size
         out.rows.append(PlanRow(label, per_token, best, off, shape.max_context is None or best >= shape.max_context,
-                                activation_bytes(shape, min(prefill_chunk, max(best, 1)), best, batch)))
+                                activation_bytes(shape, min(prefill_chunk, max(best, 1)), best, batch),
+                                max_blocks=max(0, sealed - min(cfg.sink_blocks, sealed)) * batch))
     if out.rows:
         budget.activations = out.rows[-1].activations
     return out

@@ -130,6 +130,19 @@ def test_cache_full_loses_nothing():
     assert cache.seq_len() == 60 + fit
 
 
+def test_max_blocks_allocates_the_pools_once():
+    cache = make(KVConfig(bits=4, block_size=16, max_blocks=20))
+    k, v = random_kv(1, 2, 300, 64)
+    step(cache, k[:, :, :40], v[:, :, :40])
+    step(cache, k[:, :, 40:41], v[:, :, 40:41])  # seals the first quantized block
+    codes = cache.pages[0].k_codes
+    assert codes.shape[0] == 20
+    step(cache, k[:, :, 41:300], v[:, :, 41:300])
+    step(cache, k[:, :, :1], v[:, :, :1])  # seals up to 18 quantized blocks: no regrowth
+    assert cache.block_alloc.num_used() == 300 // 16 - 1
+    assert cache.pages[0].k_codes.data_ptr() == codes.data_ptr() and cache.pages[0].k_codes.shape[0] == 20
+
+
 def test_nan_raises_and_seals_nothing():
     cache = make()
     k, v = random_kv(1, 2, 40, 64)

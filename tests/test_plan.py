@@ -124,3 +124,17 @@ def test_sizes_and_activations():
     a, b = activation_bytes(SMOL, 2048, 10_000), activation_bytes(SMOL, 2048, 20_000)
     assert b - a == 10_000 * 2 * 3 * 64 * 2  # the staged past grows with the context
 
+
+
+def test_planned_max_blocks_hold_the_planned_tokens():
+    p = plan(SMOL, "small", 1.1, kv_bits=(4,), block_size=64)
+    row = p.rows[0]
+    assert 500 < row.max_tokens < 5000  # a budget of ~48 MiB for KV and activations
+    cfg = KVConfig(bits=4, block_size=64, max_blocks=row.max_blocks, dtype="bfloat16")
+    cache = PagedKVCache(cfg, num_layers=SMOL.layers, num_kv_heads=SMOL.kv_heads, head_dim=SMOL.head_dim)
+    k, v = random_kv(1, SMOL.kv_heads, row.max_tokens, SMOL.head_dim)
+    for layer in range(SMOL.layers):
+        cache.append(layer, k, v)
+    rep = cache.memory_report()  # seals every full block: exactly max_blocks quantized pages
+    assert rep.blocks["quantized"] == row.max_blocks == cache.block_alloc.num_used()
+    assert cache.pages[0].k_codes.shape[0] == row.max_blocks

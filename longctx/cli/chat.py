@@ -50,7 +50,7 @@ def chat(
     system: str = typer.Option(None, "--system", help="system prompt"),
     file: Path = typer.Option(None, "--file", help="a document to place into the context (prefilled in chunks)"),
     prompt: str = typer.Option(None, "--prompt", help="answer this once and exit (for scripts)"),
-    max_context: int = typer.Option(None, "--max-context", help="refuse turns that would exceed this many tokens"),
+    max_context: int = typer.Option(None, "--max-context", help="refuse turns that would exceed this many tokens; also sizes the cache once (see longctx plan)"),
     chunk: int = typer.Option(512, "--chunk", help="prefill chunk in tokens"),
 ) -> None:
     """Chat with a model; the KV cache is kept across turns (only new tokens are prefilled).
@@ -72,7 +72,11 @@ def chat(
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
     if file is not None and not file.is_file():
         raise FileNotFoundError(f"--file: no such file {file}")
-    kv = KVConfig(bits=kv_bits, k_bits=k_bits, v_bits=v_bits, rotate=rotate, block_size=block_size)
+    if max_context is not None and max_context < 1:
+        raise ValueError(f"--max-context must be a positive number of tokens, got {max_context}")
+    # --max-context also sizes the page pools once (no doubling and copying as the chat grows)
+    max_blocks = -(-max_context // block_size) if max_context else None
+    kv = KVConfig(bits=kv_bits, k_bits=k_bits, v_bits=v_bits, rotate=rotate, block_size=block_size, max_blocks=max_blocks)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     err = Console(stderr=True)
     out = Console(highlight=False)

@@ -80,6 +80,8 @@ def plan(
     for r in p.rows:
         bt.add_row(f"activations at a {prefill_chunk}-token chunk, {r.format} ({r.max_tokens:,} tokens)", _gib(r.activations))
     console.print(bt)
+    console.print("[dim]To size the cache for a planned context once (no growth copies): longctx chat --max-context N, "
+                  "or KVConfig(max_blocks=...) from --json.[/]")
     if offload_gb:
         console.print("[dim]with offload: sealed pages kept in pinned host memory; the cache does not spill pages to the host yet, "
                       "so this column is what that tier will allow, not what runs today.[/]")
