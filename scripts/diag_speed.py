@@ -75,20 +75,21 @@ def main(path):
             print(f"  bs{bs} {kw}: {ms:.4f} ms ({base / ms:.2f}x) err {err:.1e} regs/spills {regs} {'' if ok else 'BAD'} [{time.time() - t0:.1f}s]", flush=True)
 
         vs = views(B, T, KVConfig(bits=bits, block_size=64))
-        # stage 1: the dequantization variants
-        for k16, v16, nw in itertools.product((0, 1, 2) if bits < 16 else (0,), (False, True) if bits < 16 else (False,), (4, 8)):
-            run(64, vs, k16=k16, v16=v16, num_warps=nw)
-        # stage 2: pipelining and occupancy around the best of stage 1
+        # stage 1: prefetching the block id and the zero-point term from sub-tiles (notes: the
+        # int4 path reads as latency-bound at low occupancy), at the 2026-11-30 best settings
+        for pf, zp, ns in itertools.product((False, True), (False, True), (2, 3)):
+            run(64, vs, prefetch=pf, zplanes=zp, num_stages=ns)
+        # stage 2: warps, stages and occupancy around the best of stage 1
         b1 = min(cands, key=lambda r: r["ms"]) if cands else dict(DEFAULT)
-        for nw, ns, pps in itertools.product((4, 8), (1, 2, 3, 4), (4, 8, 16)):
-            run(64, vs, k16=b1["k16"], v16=b1["v16"], num_warps=nw, num_stages=ns, programs_per_sm=pps)
+        for nw, ns, pps in itertools.product((4, 8), (1, 2, 3), (4, 8)):
+            run(64, vs, prefetch=b1["prefetch"], zplanes=b1["zplanes"], num_warps=nw, num_stages=ns, programs_per_sm=pps)
         del vs
         torch.cuda.empty_cache()
         # stage 3: bigger pages
         b2 = min(cands, key=lambda r: r["ms"]) if cands else dict(DEFAULT)
         vs = views(B, T, KVConfig(bits=bits, block_size=128))
         for nw, ns in ((4, b2["num_stages"]), (8, b2["num_stages"]), (8, 1), (8, 2)):
-            run(128, vs, k16=b2["k16"], v16=b2["v16"], num_warps=nw, num_stages=ns, programs_per_sm=b2["programs_per_sm"])
+            run(128, vs, prefetch=b2["prefetch"], zplanes=b2["zplanes"], num_warps=nw, num_stages=ns, programs_per_sm=b2["programs_per_sm"])
         del vs
         torch.cuda.empty_cache()
         if cands:

@@ -130,3 +130,14 @@ def test_triton_prefill_with_padding_or_lse_takes_the_reference_path():
     out, lse = paged_attention(q.to(DEVICE), view, start=start.to(DEVICE), backend="triton")
     ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
     assert torch.allclose(out.cpu(), ref_out, atol=1e-5) and torch.allclose(lse.cpu(), ref_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("tune", [{"prefetch": True}, {"zplanes": True}, {"prefetch": True, "zplanes": True, "k16": 1}, {"v16": True}],
+                         ids=lambda t: "-".join(f"{k}{int(v)}" for k, v in t.items()))
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))
+def test_sweep_options_stay_correct(case, tune, monkeypatch):
+    """The launch options scripts/diag_speed.py sweeps must all be correct, not just the default."""
+    from longctx.ops.paged_attention import triton as kernel
+
+    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, **tune})
+    test_triton_decode_within_budget(case, torch.float16)

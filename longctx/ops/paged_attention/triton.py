@@ -129,6 +129,7 @@ def _decode_kernel(
     H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr,
+    PREFETCH: tl.constexpr, ZPLANES: tl.constexpr,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -222,8 +223,19 @@ def _decode_kernel(
                 r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, p, None, None, None, None, PV, PREC)
 
     # 2. sealed pages: K scores fold per-channel scales into the query, (q*s).codes + q.z
-    for j in range(tl.maximum(lo, n_sink), tl.minimum(hi, n_blocks)):
-        blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
+    # PREFETCH: the next block id is loaded one iteration ahead (one dependent round trip
+    # less per page); ZPLANES: the zero-point term from the query's sub-tiles, so the full
+    # query need not stay live. Both are sweep options (scripts/diag_speed.py).
+    j0 = tl.maximum(lo, n_sink)
+    j1 = tl.minimum(hi, n_blocks)
+    if PREFETCH:
+        blk_next = tl.load(TABLE + b * stride_tb + j0, mask=j0 < j1, other=0)
+    for j in range(j0, j1):
+        if PREFETCH:
+            blk = blk_next.to(tl.int64)
+            blk_next = tl.load(TABLE + b * stride_tb + j + 1, mask=j + 1 < j1, other=0)
+        else:
+            blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
         bh = blk * H + h
         if K_BITS == 16:
             k = tl.load(KD + bh * P * D + offs_p[:, None] * D + offs_d[None, :])
@@ -231,7 +243,6 @@ def _decode_kernel(
         else:
             xk = tl.load(KC + bh * P * DK + offs_p[:, None] * DK + offs_k[None, :]).to(tl.int32)
             ksb = KS + bh * D + PK * offs_k
-            kz = tl.load(KZ + bh * D + offs_d).to(tl.float32)
             # sub-tile r: (q*s)_r . codes_r; K16: codes as fp16 1024 + c, the 1024s subtracted
             # after the dots as one sum per query row (K16 == 1) or from the codes (== 2)
             s = tl.zeros((G_PAD, P), tl.float32)
@@ -247,7 +258,13 @@ def _decode_kernel(
                 else:
                     s += tl.dot(qs.to(DOT), tl.trans(_f32(xk, r, K_BITS).to(DOT)), input_precision=PREC)
             s -= 1024.0 * off[:, None]
-            s += tl.sum(qp * kz[None, :], 1)[:, None]
+            if ZPLANES:
+                for r in tl.static_range(PK):
+                    kz_r = tl.load(KZ + bh * D + PK * offs_k + r).to(tl.float32)
+                    s += tl.sum(_pick(qp0, qp1, qp2, qp3, r) * kz_r[None, :], 1)[:, None]
+            else:
+                kz = tl.load(KZ + bh * D + offs_d).to(tl.float32)
+                s += tl.sum(qp * kz[None, :], 1)[:, None]
         s = tl.where(((j * P + offs_p) >= start)[None, :], s, float("-inf"))
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
         if V_BITS == 16:
@@ -326,7 +343,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 
 
 # Launch knobs, measured on the H200 (notes/decode-kernel.md); scripts/diag_speed.py sweeps them.
-TUNE = dict(num_warps=4, num_stages=2, programs_per_sm=8, k16=2, v16=False)
+TUNE = dict(num_warps=4, num_stages=2, programs_per_sm=8, k16=2, v16=False, prefetch=False, zplanes=False)
 LAST: dict = {}  # the last compiled decode kernel launched (registers, spills: scripts/diag_speed.py)
 
 
@@ -421,7 +438,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, P=P,
         K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate,
         HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
-        K16=TUNE["k16"] if half else 0, V16=half and TUNE["v16"], **opts,
+        K16=TUNE["k16"] if half else 0, V16=half and TUNE["v16"], PREFETCH=TUNE["prefetch"], ZPLANES=TUNE["zplanes"], **opts,
     )
     if merged:
         return o, (lse if return_lse else None)
