@@ -9,7 +9,6 @@ the CLI renders them.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -23,6 +22,9 @@ from .quant import BlockFormat
 LLAMA3_8B = dict(heads=32, kv_heads=8, head_dim=128)
 SMOLLM2 = dict(heads=9, kv_heads=3, head_dim=64)
 SHAPES = {"llama-3-8b": LLAMA3_8B, "smollm2-135m": SMOLLM2}
+# the formats every bench takes by name (KVConfig fields)
+_FORMATS = {"bf16": {"bits": 16}, "int8": {"bits": 8}, "int4": {"bits": 4}, "k8v4": {"bits": 4, "k_bits": 8},
+            "int2": {"bits": 2, "rotate": True}, "int4+rot": {"bits": 4, "rotate": True}}
 
 
 @dataclass
@@ -147,13 +149,13 @@ def bench_decode(
     from .ops.gather_dequant import gather_dequant
     from .ops.paged_attention import paged_attention
 
+    for name in formats:
+        _config(name, block_size)
     if not torch.cuda.is_available():
         raise BackendUnavailableError("bench decode needs a CUDA GPU; this machine has none")
     dims = SHAPES[shape]
     Hq, H, D = dims["heads"], dims["kv_heads"], dims["head_dim"]
     timer = _time_graph if graph else _time
-    presets = {"bf16": KVConfig(bits=16), "int8": KVConfig(bits=8), "int4": KVConfig(bits=4), "k8v4": KVConfig(bits=4, k_bits=8),
-               "int2": KVConfig(bits=2, rotate=True), "int4+rot": KVConfig(bits=4, rotate=True)}
     rows: list[DecodeRow] = []
     for B in batches:
         for T in contexts:
@@ -167,9 +169,7 @@ def bench_decode(
                 case.append(DecodeRow("SDPA dense bf16", T, B, ms, dense_bytes))
                 del kvs
             for name in formats:
-                cfg = dataclasses.replace(presets[name], block_size=block_size) if name in presets else None
-                if cfg is None:
-                    raise ValueError(f"unknown format {name!r}; choose from {', '.join(presets)}")
+                cfg = _config(name, block_size)
                 one = synthetic_view(B, T, H, D, cfg, device)
                 L = _copies(view_bytes(one))
                 views = [one] + [synthetic_view(B, T, H, D, cfg, device, seed=i) for i in range(1, L)]
@@ -209,6 +209,12 @@ class PrefillRow:
         return {**asdict(self), "tok_per_s": self.tok_per_s}
 
 
+def _config(name: str, block_size: int) -> KVConfig:
+    if name not in _FORMATS:
+        raise ValueError(f"unknown format {name!r}; choose from {', '.join(_FORMATS)}")
+    return KVConfig(**_FORMATS[name], block_size=block_size)
+
+
 def bench_prefill(contexts=(32768, 131072), chunk: int = 16384, formats=("int4", "int8"), shape: str = "llama-3-8b", block_size: int = 64,
                   reps: int = 5, device: str = "cuda", progress=None) -> list[PrefillRow]:
     """Per-layer time of the last prefill chunk of a `context`-token prompt: longctx seals the
@@ -219,6 +225,8 @@ def bench_prefill(contexts=(32768, 131072), chunk: int = 16384, formats=("int4",
 
     from .cache import PagedKVCache
 
+    for name in formats:
+        _config(name, block_size)
     if not torch.cuda.is_available():
         raise BackendUnavailableError("bench prefill needs a CUDA GPU; this machine has none")
     dims = SHAPES[shape]
@@ -239,7 +247,7 @@ def bench_prefill(contexts=(32768, 131072), chunk: int = 16384, formats=("int4",
 
         case = [PrefillRow("SDPA dense bf16 (flash)", T, C, _time(sdpa, 1, reps))]
         for name in formats:
-            cfg = KVConfig(**_FORMATS[name], block_size=block_size)
+            cfg = _config(name, block_size)
             cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=H, head_dim=D)
             cache.append(0, k[:, :, : T - C], v[:, :, : T - C])
             cache.seal()
@@ -270,9 +278,6 @@ def bench_prefill(contexts=(32768, 131072), chunk: int = 16384, formats=("int4",
     return rows
 
 
-_FORMATS = {"bf16": {"bits": 16}, "int8": {"bits": 8}, "int4": {"bits": 4}, "k8v4": {"bits": 4, "k_bits": 8},
-            "int2": {"bits": 2, "rotate": True}, "int4+rot": {"bits": 4, "rotate": True}}
-
 
 @dataclass
 class SealRow:
@@ -295,6 +300,8 @@ def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8
     sealing a block, against the same steps' attention alone (after one untimed round)."""
     from .cache import PagedKVCache
 
+    for name in formats:
+        _config(name, block_size)
     if not torch.cuda.is_available():
         raise BackendUnavailableError("bench seal needs a CUDA GPU; this machine has none")
     dims = SHAPES[shape]
@@ -303,7 +310,7 @@ def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
     for name in formats:
-        cfg = KVConfig(**_FORMATS[name], block_size=block_size)
+        cfg = _config(name, block_size)
         cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=H, head_dim=D)
         for t0 in range(0, context, 16384):
             n = min(16384, context - t0)
@@ -379,6 +386,8 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
 
     from .integrations.transformers import LongCtxCache, cache_kwargs
 
+    for name in formats:  # bad names fail before a 16 GB model is built
+        _config(name, 64)
     if not torch.cuda.is_available():
         raise BackendUnavailableError("bench e2e needs a CUDA GPU; this machine has none")
     model = llama3_8b_shaped(layers, context + new_tokens + 16, device)
@@ -409,7 +418,7 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     rows = [run("DynamicCache + SDPA", DynamicCache(config=model.config))]
     torch.cuda.empty_cache()
     for name in formats:
-        cache = LongCtxCache(model, KVConfig(**_FORMATS[name]))
+        cache = LongCtxCache(model, _config(name, 64))
         try:
             rows.append(run(f"LongCtxCache {cache.kv_config.describe()}", cache))
         finally:

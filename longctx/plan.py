@@ -8,7 +8,6 @@ test holds the two equal). Everything else is an estimate, documented term by te
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import json
@@ -212,8 +211,7 @@ class Budget:
     total: int  # bytes of GPU memory planned for
     weights: int
     overhead: int  # RUNTIME_OVERHEAD
-    reserve: int  # FRAGMENTATION of the total
-    activations: int  # at the prefill chunk and the planned context (of the first row)
+    reserve: int  # FRAGMENTATION of the total (activations are per format: PlanRow)
 
     @property
     def for_kv(self) -> int:
@@ -258,7 +256,7 @@ def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16,
     if batch < 1 or prefill_chunk < 1 or offload_gib < 0:
         raise ValueError(f"batch and prefill_chunk must be >= 1 and offload >= 0; got {batch}, {prefill_chunk}, {offload_gib}")
     total = int(gpu_gib * GIB)
-    budget = Budget(gpu, total, weight_bytes(shape, weights_bits), RUNTIME_OVERHEAD, int(FRAGMENTATION * total), 0)
+    budget = Budget(gpu, total, weight_bytes(shape, weights_bits), RUNTIME_OVERHEAD, int(FRAGMENTATION * total))
     out = Plan(shape.name, shape.param_count(), weights_bits, batch, block_size, prefill_chunk, shape.max_context, budget)
     for bits in kv_bits:
         if bits not in FORMAT_PRESETS:
@@ -280,8 +278,6 @@ def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16,
         out.rows.append(PlanRow(label, per_token, best, off, shape.max_context is None or best >= shape.max_context,
                                 activation_bytes(shape, min(prefill_chunk, max(best, 1)), best, batch),
                                 max_blocks=max(0, sealed - min(cfg.sink_blocks, sealed)) * batch))
-    if out.rows:
-        budget.activations = out.rows[-1].activations
     return out
 
 
@@ -309,6 +305,3 @@ def _largest(ok) -> int:
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
 
-
-def replace_kv(p: Plan, **kw) -> Plan:
-    return dataclasses.replace(p, **kw)
