@@ -227,6 +227,7 @@ class PlanRow:
     fits_model_limit: bool  # max_tokens >= the model's max_context
     activations: int
     max_blocks: int = 0  # KVConfig(max_blocks=...) for max_tokens: the pools, allocated once
+    unavailable: str = ""  # why this format cannot serve the model (then max_tokens is 0)
 
 
 @dataclass
@@ -262,6 +263,12 @@ def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16,
         if bits not in FORMAT_PRESETS:
             raise ValueError(f"kv bits must be 16, 8, 4 or 2, got {bits}")
         cfg = KVConfig(**FORMAT_PRESETS[bits], block_size=block_size)
+        label = KVConfig(**FORMAT_PRESETS[bits]).describe()
+        try:
+            cfg.resolve(shape.layers, shape.head_dim)
+        except ValueError as e:  # e.g. rotation on a head_dim that is not a power of two
+            out.rows.append(PlanRow(label, 0.0, 0, None, False, 0, unavailable=str(e)))
+            continue
 
         def need(t: int, cfg=cfg) -> int:
             return kv_bytes(shape, cfg, t, batch) + activation_bytes(shape, min(prefill_chunk, max(t, 1)), t, batch)
@@ -272,7 +279,6 @@ def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16,
             # sealed quantized pages can live in host memory; sinks, tails and staging stay
             host = int(offload_gib * GIB)
             off = _largest(lambda t, cfg=cfg: need(t) <= budget.for_kv + min(host, _sealed_bytes(shape, cfg, t, batch)))
-        label = KVConfig(**FORMAT_PRESETS[bits]).describe()
         per_token = kv_bytes(shape, cfg, best, batch) / (best * batch) if best else 0.0
         sealed = best // block_size
         out.rows.append(PlanRow(label, per_token, best, off, shape.max_context is None or best >= shape.max_context,

@@ -138,3 +138,10 @@ def test_planned_max_blocks_hold_the_planned_tokens():
     rep = cache.memory_report()  # seals every full block: exactly max_blocks quantized pages
     assert rep.blocks["quantized"] == row.max_blocks == cache.block_alloc.num_used()
     assert cache.pages[0].k_codes.shape[0] == row.max_blocks
+
+
+def test_a_format_the_model_cannot_use_is_reported_not_fatal():
+    p = plan(model_shape("phi-3-mini-128k"), "rtx-4090", 24)  # head_dim 96: no Hadamard rotation
+    rows = {r.format: r for r in p.rows}
+    assert "power-of-two head_dim" in rows["int2+rot"].unavailable and rows["int2+rot"].max_tokens == 0
+    assert rows["int4"].max_tokens > rows["int8"].max_tokens > rows["bf16"].max_tokens > 0

@@ -62,6 +62,9 @@ def plan(
     for c in cols:
         t.add_column(c, justify="left" if c == "KV format" else "right")
     for r in p.rows:
+        if r.unavailable:
+            t.add_row(r.format, *["n/a"] * (len(cols) - 1))
+            continue
         cells = [r.format, f"{r.kv_bytes_per_token:,.0f}", f"{r.max_tokens:,}"]
         if offload_gb:
             cells.append(f"{r.max_tokens_offload:,}")
@@ -78,8 +81,12 @@ def plan(
     bt.add_row("fragmentation reserve (5 %)", _gib(b.reserve))
     bt.add_row("left for KV + activations", _gib(b.for_kv))
     for r in p.rows:
-        bt.add_row(f"activations at a {prefill_chunk}-token chunk, {r.format} ({r.max_tokens:,} tokens)", _gib(r.activations))
+        if not r.unavailable:
+            bt.add_row(f"activations at a {prefill_chunk}-token chunk, {r.format} ({r.max_tokens:,} tokens)", _gib(r.activations))
     console.print(bt)
+    for r in p.rows:
+        if r.unavailable:
+            console.print(f"{r.format} is not available for this model: {r.unavailable}", highlight=False, markup=False)
     console.print("[dim]To size the cache for a planned context once (no growth copies): longctx chat --max-context N, "
                   "or KVConfig(max_blocks=...) from --json.[/]")
     if offload_gb:

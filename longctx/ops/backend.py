@@ -10,14 +10,18 @@ import torch
 from ..errors import BackendUnavailableError
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """"auto" -> "triton" for CUDA tensors when triton imports, else "reference"."""
+def resolve_backend(backend: str, q: torch.Tensor, head_dim: int | None = None) -> str:
+    """"auto" -> "triton" for CUDA tensors when triton imports and the kernels serve the
+    shape (a power-of-two head_dim: their tiles are powers of two), else "reference"."""
+    shape_ok = head_dim is None or (head_dim >= 16 and head_dim & (head_dim - 1) == 0)
     match backend:
         case "auto":
-            return "triton" if q.is_cuda and triton_available() else "reference"
+            return "triton" if q.is_cuda and shape_ok and triton_available() else "reference"
         case "reference":
             return "reference"
         case "triton":
+            if not shape_ok:
+                raise BackendUnavailableError(f"backend 'triton' needs a power-of-two head_dim >= 16, got {head_dim}; use 'reference' (or 'auto')")
             if not triton_available():
                 raise BackendUnavailableError("backend 'triton' needs the triton package: pip install 'longctx[gpu]'")
             if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":

@@ -141,3 +141,19 @@ def test_sweep_options_stay_correct(case, tune, monkeypatch):
 
     monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, **tune})
     test_triton_decode_within_budget(case, torch.float16)
+
+
+def test_head_dims_the_kernels_cannot_tile_go_to_the_reference():
+    from longctx.errors import BackendUnavailableError
+    from longctx.ops.backend import resolve_backend
+
+    x = torch.zeros(1)
+    assert resolve_backend("auto", x, 96) == "reference"  # e.g. Phi-3: head_dim 96
+    with pytest.raises(BackendUnavailableError, match="power-of-two head_dim"):
+        resolve_backend("triton", x, 96)
+    cfg = KVConfig(bits=4, block_size=16)
+    cache, _, _ = fill(cfg, 1, 40, 1, 1, 96)
+    with pytest.raises(BackendUnavailableError, match="power-of-two head_dim"):
+        paged_attention(torch.randn(1, 2, 1, 96), cache.view(0), backend="triton")
+    out, _ = paged_attention(torch.randn(1, 2, 1, 96), cache.view(0))  # auto: the reference serves it
+    assert torch.isfinite(out).all()

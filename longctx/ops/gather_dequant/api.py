@@ -21,7 +21,7 @@ def gather_dequant(view: PagedView, backend: str = "auto", out_dtype: torch.dtyp
     if extra < 0:
         raise ValueError(f"gather_dequant: extra must be >= 0, got {extra}")
     dtype = out_dtype or view.pages.fmt.dtype
-    match resolve_backend(backend, view.block_table):
+    match resolve_backend(backend, view.block_table, view.pages.fmt.head_dim):
         case "reference":
             from .reference import gather_dequant_reference
 

@@ -55,7 +55,7 @@ def paged_attention(
     if view.block_table.shape[0] != B:
         raise ValueError(f"paged_attention: block_table {tuple(view.block_table.shape)} has a different batch than q {tuple(q.shape)}")
     _check_start(start, B)
-    match resolve_backend(backend, q):
+    match resolve_backend(backend, q, D):
         case "reference":
             from .reference import paged_attention_reference
 
