@@ -2,8 +2,9 @@
 
 Per-layer time of one decode step (q_len=1), the median over repetitions of a loop over
 enough copies of the layer's KV (distinct memory) that the working set is far larger than
-L2. Peers: SDPA over dense bf16 K/V (PyTorch's flash kernel) and "dequantize everything,
-then SDPA" (how Hugging Face's QuantizedCache reads its cache). Results are dataclasses;
+L2. Peers: SDPA over dense bf16 K/V (PyTorch's flash kernel), FlexAttention paged over bf16
+pages (the `flex` backend, eager timing only), and "dequantize everything, then SDPA" (how
+Hugging Face's QuantizedCache reads its cache). Results are dataclasses;
 the CLI renders them.
 """
 
@@ -168,6 +169,8 @@ def bench_decode(
                 ms = timer(lambda i: F.scaled_dot_product_attention(q, kvs[i][0], kvs[i][1], enable_gqa=True), L, reps)
                 case.append(DecodeRow("SDPA dense bf16", T, B, ms, dense_bytes))
                 del kvs
+                if not graph:
+                    case.append(_flex_row(q, B, T, H, D, block_size, reps))
             for name in formats:
                 cfg = _config(name, block_size)
                 one = synthetic_view(B, T, H, D, cfg, device)
@@ -207,6 +210,24 @@ class PrefillRow:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "tok_per_s": self.tok_per_s}
+
+
+def _flex_row(q, B: int, T: int, H: int, D: int, block_size: int, reps: int) -> DecodeRow:
+    """The FlexAttention paged bf16 peer (backend "flex" over 16-bit pages). A failure to
+    compile or run is reported in the row's name (time nan), not raised."""
+    from .ops.paged_attention import paged_attention
+
+    name = "FlexAttention paged bf16"
+    try:
+        one = synthetic_view(B, T, H, D, KVConfig(bits=16, block_size=block_size), q.device)
+        L = _copies(view_bytes(one))
+        views = [one] + [synthetic_view(B, T, H, D, KVConfig(bits=16, block_size=block_size), q.device, seed=i) for i in range(1, L)]
+        ms = _time(lambda i: paged_attention(q, views[i], backend="flex", return_lse=False), L, reps)
+        return DecodeRow(name, T, B, ms, view_bytes(one))
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run is a finding, shown in the table
+        return DecodeRow(f"{name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})", T, B, float("nan"), 0)
+    finally:
+        torch.cuda.empty_cache()
 
 
 def _config(name: str, block_size: int) -> KVConfig:

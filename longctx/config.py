@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 ALLOWED_BITS = (16, 8, 4, 2)
 ALLOWED_DTYPES = ("auto", "bfloat16", "float16", "float32")
-ALLOWED_BACKENDS = ("auto", "reference", "triton")
+ALLOWED_BACKENDS = ("auto", "reference", "triton", "flex")
 DEFAULT_GROUP_SIZE = 64
 
 
@@ -42,9 +42,10 @@ class KVConfig:
                  the pools are allocated at this size when the first block is sealed and
                  never copied later; reaching it raises `CacheFullError`, which says how
                  many tokens still fit. `longctx plan --json` gives the value per format.
-    backend:     attention backend: "reference" (torch), "triton" (fused decode kernel;
-                 prefill chunks dequantize the past, then exact attention), or "auto":
-                 triton on CUDA when it imports, else reference.
+    backend:     attention backend: "reference" (torch), "triton" (fused kernels; prefill
+                 chunks stage the past, then SDPA), "flex" (FlexAttention over 16-bit pages
+                 only, for comparison), or "auto": triton on CUDA when it imports and the
+                 head_dim is a power of two, else reference.
     """
 
     bits: int = 4

@@ -57,5 +57,10 @@ def support_matrix() -> list[Support]:
     else:
         rows.append(Support("triton", True, "fused decode kernel reading packed pages; sealing and gather kernels (prefill stages the past, then SDPA); default on CUDA", ALLOWED_BITS))
     rows.append(Support("flash", False, "not implemented yet (needs flash-attn and 256-token pages)"))
-    rows.append(Support("flex", False, "not implemented yet (FlexAttention over bf16 pages)"))
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+
+        rows.append(Support("flex", True, "FlexAttention reading 16-bit pages in place (bits=16 only; compiled on CUDA, eager elsewhere)", (16,)))
+    except ImportError:
+        rows.append(Support("flex", False, "needs FlexAttention (torch >= 2.5)"))
     return rows

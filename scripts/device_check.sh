@@ -11,7 +11,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 stage() { local name=$1 limit=$2; shift 2; echo "== $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "(exit $?)"; tail -"${TAIL:-30}" "$OUT/$name.log"; }
 # shellcheck disable=SC2086
 TAIL=6 stage tests 150 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/ops tests/test_cuda.py tests/test_transformers.py}
-stage decode 100 python3 -m longctx bench decode --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode.json"
+stage decode 200 python3 -m longctx bench decode --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode.json"
 TAIL=14 stage e2e 200 python3 -m longctx bench e2e --context 128k --formats int4 --json "$OUT/e2e.json"
 TAIL=12 stage seal 45 python3 -m longctx bench seal --context 128k --formats int4,int8
 TAIL=12 stage prefill 45 python3 -m longctx bench prefill --contexts 32k,128k --json "$OUT/prefill.json"

@@ -27,8 +27,14 @@ def resolve_backend(backend: str, q: torch.Tensor, head_dim: int | None = None) 
             if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
                 raise BackendUnavailableError("backend 'triton' runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1)")
             return "triton"
+        case "flex":
+            try:
+                from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+            except ImportError:
+                raise BackendUnavailableError("backend 'flex' needs FlexAttention (torch >= 2.5)") from None
+            return "flex"
         case _:
-            raise BackendUnavailableError(f"no backend {backend!r}; available: 'auto', 'reference', 'triton'")
+            raise BackendUnavailableError(f"no backend {backend!r}; available: 'auto', 'reference', 'triton', 'flex'")
 
 
 def triton_available() -> bool:

@@ -72,6 +72,10 @@ def paged_attention(
             from .triton import paged_decode_triton
 
             return paged_decode_triton(q, view, start, D**-0.5 if scale is None else scale, return_lse)
+        case "flex":
+            from .flex import paged_attention_flex
+
+            return paged_attention_flex(q, view, start, scale, return_lse)
 
 
 def dense_attention(
