@@ -150,12 +150,7 @@ def bench_decode(
     from .ops.gather_dequant import gather_dequant
     from .ops.paged_attention import paged_attention
 
-    for name in formats:
-        _config(name, block_size)
-    if not torch.cuda.is_available():
-        raise BackendUnavailableError("bench decode needs a CUDA GPU; this machine has none")
-    dims = SHAPES[shape]
-    Hq, H, D = dims["heads"], dims["kv_heads"], dims["head_dim"]
+    cfgs, Hq, H, D = _setup("decode", formats, block_size, shape)
     timer = _time_graph if graph else _time
     rows: list[DecodeRow] = []
     for B in batches:
@@ -171,8 +166,7 @@ def bench_decode(
                 del kvs
                 if not graph:
                     case.append(_flex_row(q, B, T, H, D, block_size, reps))
-            for name in formats:
-                cfg = _config(name, block_size)
+            for name, cfg in cfgs.items():
                 one = synthetic_view(B, T, H, D, cfg, device)
                 L = _copies(view_bytes(one))
                 views = [one] + [synthetic_view(B, T, H, D, cfg, device, seed=i) for i in range(1, L)]
@@ -236,23 +230,27 @@ def _config(name: str, block_size: int) -> KVConfig:
     return KVConfig(**_FORMATS[name], block_size=block_size)
 
 
+def _setup(bench: str, formats, block_size: int, shape: str = "llama-3-8b") -> tuple[dict[str, KVConfig], int, int, int]:
+    """Every bench's start: the formats' configs (bad names fail before anything is built),
+    a CUDA check, and the shape's (query heads, KV heads, head_dim)."""
+    cfgs = {name: _config(name, block_size) for name in formats}
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError(f"bench {bench} needs a CUDA GPU; this machine has none")
+    dims = SHAPES[shape]
+    return cfgs, dims["heads"], dims["kv_heads"], dims["head_dim"]
+
+
 def bench_prefill(contexts=(32768, 131072), chunk: int = 16384, formats=("int4", "int8"), shape: str = "llama-3-8b", block_size: int = 64,
                   reps: int = 5, device: str = "cuda", progress=None) -> list[PrefillRow]:
     """Per-layer time of the last prefill chunk of a `context`-token prompt: longctx seals the
     chunk into pages and attends over the staged past; the peer is SDPA (flash, lower-right
     causal) over dense bf16 K/V, as DynamicCache + SDPA prefill runs."""
-    import torch.nn.functional as F
-    from torch.nn.attention.bias import causal_lower_right
-
     from .cache import PagedKVCache
+    from .ops.paged_attention.prefill import sdpa_lower_right
 
-    for name in formats:
-        _config(name, block_size)
-    if not torch.cuda.is_available():
-        raise BackendUnavailableError("bench prefill needs a CUDA GPU; this machine has none")
-    dims = SHAPES[shape]
-    Hq, H, D = dims["heads"], dims["kv_heads"], dims["head_dim"]
-    G = Hq // H
+    cfgs, Hq, H, D = _setup("prefill", formats, block_size, shape)
     rows: list[PrefillRow] = []
     for T in contexts:
         C = min(chunk, T)
@@ -260,15 +258,8 @@ def bench_prefill(contexts=(32768, 131072), chunk: int = 16384, formats=("int4",
         q = torch.randn(1, Hq, C, D, device=device, dtype=torch.bfloat16, generator=g)
         k = torch.randn(1, H, T, D, device=device, dtype=torch.bfloat16, generator=g)
         v = torch.randn(1, H, T, D, device=device, dtype=torch.bfloat16, generator=g)
-        mask = causal_lower_right(C, T)
-
-        def sdpa(_):
-            for gi in range(G):
-                F.scaled_dot_product_attention(q[:, gi::G], k, v, attn_mask=mask)
-
-        case = [PrefillRow("SDPA dense bf16 (flash)", T, C, _time(sdpa, 1, reps))]
-        for name in formats:
-            cfg = _config(name, block_size)
+        case = [PrefillRow("SDPA dense bf16 (flash)", T, C, _time(lambda _: sdpa_lower_right(q, k, v), 1, reps))]
+        for name, cfg in cfgs.items():
             cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=H, head_dim=D)
             cache.append(0, k[:, :, : T - C], v[:, :, : T - C])
             cache.seal()
@@ -321,17 +312,11 @@ def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8
     sealing a block, against the same steps' attention alone (after one untimed round)."""
     from .cache import PagedKVCache
 
-    for name in formats:
-        _config(name, block_size)
-    if not torch.cuda.is_available():
-        raise BackendUnavailableError("bench seal needs a CUDA GPU; this machine has none")
-    dims = SHAPES[shape]
-    Hq, H, D = dims["heads"], dims["kv_heads"], dims["head_dim"]
+    cfgs, Hq, H, D = _setup("seal", formats, block_size, shape)
     steps = 4 * block_size
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
-    for name in formats:
-        cfg = _config(name, block_size)
+    for name, cfg in cfgs.items():
         cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=H, head_dim=D)
         for t0 in range(0, context, 16384):
             n = min(16384, context - t0)
@@ -407,10 +392,7 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
 
     from .integrations.transformers import LongCtxCache, cache_kwargs
 
-    for name in formats:  # bad names fail before a 16 GB model is built
-        _config(name, 64)
-    if not torch.cuda.is_available():
-        raise BackendUnavailableError("bench e2e needs a CUDA GPU; this machine has none")
+    cfgs, _, _, _ = _setup("e2e", formats, 64)  # bad names fail before a 16 GB model is built
     model = llama3_8b_shaped(layers, context + new_tokens + 16, device)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
 
@@ -438,8 +420,8 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
 
     rows = [run("DynamicCache + SDPA", DynamicCache(config=model.config))]
     torch.cuda.empty_cache()
-    for name in formats:
-        cache = LongCtxCache(model, _config(name, 64))
+    for cfg in cfgs.values():
+        cache = LongCtxCache(model, cfg)
         try:
             rows.append(run(f"LongCtxCache {cache.kv_config.describe()}", cache))
         finally:

@@ -161,13 +161,21 @@ def kv_bytes(shape: ModelShape, cfg: KVConfig, tokens: int, rows: int = 1, elem_
     P, H, D, L = cfg.block_size, shape.kv_heads, shape.head_dim, shape.layers
     n = tokens // P
     sinks = min(cfg.sink_blocks, n)
-    per_block = 0
-    for layer in range(L):
-        kb, vb = cfg.layer_bits(layer)
-        per_block += sum(BlockFormat(kb, vb, P, cfg.group_size, D, H, _dtype(elem_bytes), cfg.rotate).block_bytes().values())
+    per_block = _sealed_block_bytes(shape, cfg, elem_bytes)
     dense_block = L * 2 * H * P * D * elem_bytes
     tail = (tokens - n * P) * L * 2 * H * D * elem_bytes
     return rows * (sinks * dense_block + (n - sinks) * per_block + tail)
+
+
+@functools.lru_cache(maxsize=64)
+def _sealed_block_bytes(shape: ModelShape, cfg: KVConfig, elem_bytes: int) -> int:
+    """One sealed block id's bytes over all layers (plan's searches ask for it many times)."""
+    total = 0
+    for layer in range(shape.layers):
+        kb, vb = cfg.layer_bits(layer)
+        fmt = BlockFormat(kb, vb, cfg.block_size, cfg.group_size, shape.head_dim, shape.kv_heads, _dtype(elem_bytes), cfg.rotate)
+        total += sum(fmt.block_bytes().values())
+    return total
 
 
 def _dtype(elem_bytes: int):

@@ -25,16 +25,19 @@ from ..pages import PagedView
 
 def paged_prefill_staged(q: torch.Tensor, view: PagedView, scale: float | None) -> torch.Tensor:
     """out [B, H_q, C, D] for queries at the end of the view, no padding, causal."""
-    B, Hq, C, D = q.shape
-    H = view.tail_k.shape[1]
-    G = Hq // H
     tail = view.tail_k.shape[2]
     k, v = gather_dequant(view, out_dtype=q.dtype, extra=tail)
     past = k.shape[2] - tail
     k[:, :, past:].copy_(view.tail_k)
     v[:, :, past:].copy_(view.tail_v)
-    T = k.shape[2]
-    mask = causal_lower_right(C, T)
+    return sdpa_lower_right(q, k, v, scale)
+
+
+def sdpa_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """SDPA of q [B, H_q, C, D] over dense k, v [B, H_kv, T, D], query i at position T - C + i
+    (lower-right causal), GQA as G calls of plain multi-head attention (flash on CUDA)."""
+    G = q.shape[1] // k.shape[1]
+    mask = causal_lower_right(q.shape[2], k.shape[2])
     if G == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     out = torch.empty_like(q)
