@@ -380,12 +380,14 @@ def llama3_8b_shaped(layers: int = 32, max_positions: int = 1 << 20, device: str
     return model.eval()
 
 
-def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int = 32, chunk: int = 16384, layers: int = 32,
-              device: str = "cuda", progress=None) -> list[E2ERow]:
+def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int = 64, chunk: int = 16384, layers: int = 32,
+              device: str = "cuda", progress=None, warmup: int = 2) -> list[E2ERow]:
     """Prefill `context` random tokens in chunks, then decode `new_tokens` greedily, with
     transformers' DynamicCache + SDPA and with LongCtxCache in each format, same model.
     LongCtxCache's prefill time includes sealing the prompt's last chunk (which would
-    otherwise land in the first decode step)."""
+    otherwise land in the first decode step). The first `warmup` decode steps are not timed
+    (they compile the decode kernels: ~1 s once per process, not per token); 64 timed tokens
+    include one seal of every layer's tail, as steady decoding does every 64 tokens."""
     import time
 
     from transformers import DynamicCache
@@ -393,7 +395,7 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     from .integrations.transformers import LongCtxCache, cache_kwargs
 
     cfgs, _, _, _ = _setup("e2e", formats, 64)  # bad names fail before a 16 GB model is built
-    model = llama3_8b_shaped(layers, context + new_tokens + 16, device)
+    model = llama3_8b_shaped(layers, context + warmup + new_tokens + 16, device)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
 
     def run(name, cache) -> E2ERow:
@@ -406,6 +408,9 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
             tok = out.logits[:, -1:].argmax(-1)
             if isinstance(cache, LongCtxCache):  # seal the prompt's last chunk here, not in the first decode step
                 cache.paged.seal()
+            for _ in range(warmup):
+                out = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache))
+                tok = out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             t1 = time.perf_counter()
             for _ in range(new_tokens):

@@ -140,7 +140,7 @@ def seal(
 def e2e(
     context: str = typer.Option("128k", help="prompt length"),
     formats: str = typer.Option("int4,int8", help="longctx formats"),
-    new_tokens: int = typer.Option(32, help="tokens decoded after the prompt"),
+    new_tokens: int = typer.Option(64, help="tokens decoded and timed after the prompt (after 2 untimed warm-up steps)"),
     chunk: int = typer.Option(16384, help="prefill chunk (tokens)"),
     layers: int = typer.Option(32, help="decoder layers of the Llama-3-8B-shaped model"),
     as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),

@@ -3,7 +3,8 @@
 One program per (row, KV head, split): it loads the G query heads of its KV head once, walks
 its share of the row's logical blocks (sink pages, sealed quantized pages, then the
 unquantized tail), dequantizes codes in registers and keeps an online softmax. Splits are
-merged by log-sum-exp. No bf16 copy of the cache is ever written.
+merged by log-sum-exp inside the same launch (the last split of each head to finish does it).
+No bf16 copy of the cache is ever written.
 
 With rotation the sealed pages hold K·H and V·H: their scores use the rotated query, and
 their share of the output is accumulated apart and rotated back once, after the merge.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -43,8 +45,8 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _code(x, r: tl.constexpr, BITS: tl.constexpr):
-    """Codes of sub-tile r of a tile of code bytes (already widened to int32)."""
-    if BITS >= 8:
+    """Codes of sub-tile r of a tile of code words (uint8, or int16 for 8 and 4 bits)."""
+    if BITS == 8 and x.dtype == tl.uint8:
         return x
     return (x >> (r * BITS)) & ((1 << BITS) - 1)
 
@@ -52,13 +54,54 @@ def _code(x, r: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def _f32(x, r: tl.constexpr, BITS: tl.constexpr):
     """Sub-tile r as fp32 codes, exact: (2^23 + c) - 2^23."""
-    return (_code(x, r, BITS) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return (_code(x, r, BITS).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
 def _f16_1024(x, r: tl.constexpr, BITS: tl.constexpr):
     """Sub-tile r as fp16 1024 + code, exact (codes < 2^10)."""
-    return (_code(x, r, BITS) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    return (_code(x, r, BITS).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+
+
+# ASM (GPU): two int16 code words per 32-bit register -> two fp16 codes of sub-tile r, exact:
+# int4 shifts nibble r of both words into place and ORs in fp16 1024 (one LOP3), int8
+# permutes byte r of both words next to a 0x64 byte; then one f16x2 subtract of 1024.
+def _asm_int4(r: int) -> str:
+    shift = f"shr.b32 t, $1, {4 * r}; " if r else "mov.b32 t, $1; "
+    return "{ .reg .b32 t, k; " + shift + "lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea; mov.b32 k, 0x64006400; sub.f16x2 $0, t, k; }"
+
+
+def _asm_int8(r: int) -> str:
+    return ("{ .reg .b32 t, k; mov.b32 k, 0x64646464; prmt.b32 t, $1, k, " + ("0x4240" if r == 0 else "0x4341")
+            + "; mov.b32 k, 0x64006400; sub.f16x2 $0, t, k; }")
+
+
+ASM_I4_0, ASM_I4_1, ASM_I4_2, ASM_I4_3 = (tl.constexpr(_asm_int4(r)) for r in range(4))
+ASM_I8_0, ASM_I8_1 = (tl.constexpr(_asm_int8(r)) for r in range(2))
+
+
+@triton.jit
+def _f16_asm(x, r: tl.constexpr, BITS: tl.constexpr):
+    """Sub-tile r of int16 code words (4 or 8 bits) as fp16 codes, exact, GPU only."""
+    if BITS == 8:
+        asm: tl.constexpr = ASM_I8_0 if r == 0 else ASM_I8_1
+    elif r == 0:
+        asm: tl.constexpr = ASM_I4_0
+    elif r == 1:
+        asm: tl.constexpr = ASM_I4_1
+    elif r == 2:
+        asm: tl.constexpr = ASM_I4_2
+    else:
+        asm: tl.constexpr = ASM_I4_3
+    return tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _f16(x, r: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Sub-tile r as fp16 codes, exact: by inline PTX on int16 words, else 1024 + c - 1024."""
+    if ASM and x.dtype == tl.int16:
+        return _f16_asm(x, r, BITS)
+    return (_f16_1024(x, r, BITS) - 1024.0).to(tl.float16)
 
 
 @triton.jit
@@ -117,26 +160,60 @@ def _store(O, off, a0, a1, a2, a3, inv, om, PV: tl.constexpr):
         tl.store(O + off + 3, (a3 * inv).to(O.dtype.element_ty), mask=om)
 
 
+@triton.jit
+def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+                 D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr, K_BITS: tl.constexpr,
+                 DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr):
+    """Base-2 scores [G_PAD, P] of the n-th page of a step (pool row bh = block * H + head;
+    its loads are skipped when n >= left, the pages left in the split). Quantized K: sub-tile r adds (q*s)_r . codes_r
+    (K16: codes as fp16 through a 16-bit dot; 1 subtracts 1024 * the sum of the rounded q*s the
+    dots saw, 2 takes the 1024 off the codes), then q . zero-point."""
+    pm = (offs_p[:, None] * 0 + n) < left  # tensor masks: the interpreter takes no scalar bool
+    cm = (offs_d * 0 + n) < left
+    s = tl.zeros((qp.shape[0], P), tl.float32)
+    if K_BITS == 16:  # (one return at the end: an early return in a branch miscompiled on the GPU)
+        k = tl.load(KD + bh * P * D + offs_p[:, None] * D + offs_d[None, :], mask=pm, other=0.0)
+        s = tl.dot(qp.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
+    else:
+        xk = tl.load(KC + bh * P * DK + offs_p[:, None] * DK + offs_k[None, :], mask=pm, other=0)
+        ksb = KS + bh * D + PK * offs_k
+        off = tl.zeros((qp.shape[0],), tl.float32)  # sum of the fp16 (q*s) the dots saw (K16 == 1)
+        for r in tl.static_range(PK):
+            qs = _pick(qp0, qp1, qp2, qp3, r) * tl.load(ksb + r, mask=(offs_k * 0 + n) < left, other=0.0).to(tl.float32)[None, :]
+            if K16 == 1:
+                qs = qs.to(tl.float16)
+                s += tl.dot(qs, tl.trans(_f16_1024(xk, r, K_BITS)))
+                off += tl.sum(qs.to(tl.float32), 1)
+            elif K16 == 2:
+                s += tl.dot(qs.to(tl.float16), tl.trans(_f16(xk, r, K_BITS, ASM)))
+            else:
+                s += tl.dot(qs.to(DOT), tl.trans(_f32(xk, r, K_BITS).to(DOT)), input_precision=PREC)
+        kz = tl.load(KZ + bh * D + offs_d, mask=cm, other=0.0).to(tl.float32)
+        s += tl.sum(qp * kz[None, :], 1)[:, None] - 1024.0 * off[:, None]
+    return s
+
+
 # Integers that change from step to step are not specialized: Triton would compile a new
 # variant the first time each turns 1 or a multiple of 16 (tail_len does within 16 steps).
 @triton.jit(do_not_specialize=["stride_tb", "n_blocks", "n_sink", "tail_len", "blocks_per_split", "n_splits"])
 def _decode_kernel(
     Q, QR, TABLE, START,
     SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, TAIL_K, TAIL_V,
-    O, OR, LSE,
+    O, OR, LSE, OUT, LOUT, COUNT,
     stride_qb, stride_qh, stride_tb, s_tk_b, s_tk_h, s_tk_p,
     n_blocks, n_sink, tail_len, blocks_per_split, scale, n_splits,
     H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr,
-    PREFETCH: tl.constexpr, ZPLANES: tl.constexpr,
+    PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
     n_splits, D] and LSE [B, H*G, n_splits]. K16/V16: quantized K/V go through fp16 dots
     (DOT is 16-bit), else through DOT with fp32 dequantization."""
-    PK: tl.constexpr = 8 // K_BITS if K_BITS < 8 else 1
-    PV: tl.constexpr = 8 // V_BITS if V_BITS < 8 else 1
+    # sub-tiles per side: codes per load word (int16 words for 8 and 4 bits when WORDS)
+    PK: tl.constexpr = 1 if K_BITS == 16 else (16 if WORDS and K_BITS >= 4 else 8) // K_BITS
+    PV: tl.constexpr = 1 if V_BITS == 16 else (16 if WORDS and V_BITS >= 4 else 8) // V_BITS
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
@@ -222,75 +299,68 @@ def _decode_kernel(
             if ROTATE:
                 r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, p, None, None, None, None, PV, PREC)
 
-    # 2. sealed pages: K scores fold per-channel scales into the query, (q*s).codes + q.z
-    # PREFETCH: the next block id is loaded one iteration ahead (one dependent round trip
-    # less per page); ZPLANES: the zero-point term from the query's sub-tiles, so the full
-    # query need not stay live. Both are sweep options (scripts/diag_speed.py).
+    # 2. sealed pages, PAGES of them per iteration (more loads in flight per program): K scores
+    # per page with its per-channel scales folded into the query, (q*s).codes + q.z, joined
+    # into one [G_PAD, PAGES*P] tile whose token t is page t % PAGES, row t // PAGES; V rows
+    # are loaded in that order.
+    T: tl.constexpr = PAGES * P
+    offs_t = tl.arange(0, T)
+    n_t = offs_t % PAGES
+    i_t = offs_t // PAGES
     j0 = tl.maximum(lo, n_sink)
     j1 = tl.minimum(hi, n_blocks)
-    if PREFETCH:
-        blk_next = tl.load(TABLE + b * stride_tb + j0, mask=j0 < j1, other=0)
-    for j in range(j0, j1):
-        if PREFETCH:
-            blk = blk_next.to(tl.int64)
-            blk_next = tl.load(TABLE + b * stride_tb + j + 1, mask=j + 1 < j1, other=0)
-        else:
-            blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
-        bh = blk * H + h
-        if K_BITS == 16:
-            k = tl.load(KD + bh * P * D + offs_p[:, None] * D + offs_d[None, :])
-            s = tl.dot(qp.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
-        else:
-            xk = tl.load(KC + bh * P * DK + offs_p[:, None] * DK + offs_k[None, :]).to(tl.int32)
-            ksb = KS + bh * D + PK * offs_k
-            # sub-tile r: (q*s)_r . codes_r; K16: codes as fp16 1024 + c, the 1024s subtracted
-            # after the dots as one sum per query row (K16 == 1) or from the codes (== 2)
-            s = tl.zeros((G_PAD, P), tl.float32)
-            off = tl.zeros((G_PAD,), tl.float32)  # sum of the fp16 (q*s) the dots saw
-            for r in tl.static_range(PK):
-                qs = _pick(qp0, qp1, qp2, qp3, r) * tl.load(ksb + r).to(tl.float32)[None, :]
-                if K16 == 1:
-                    qs = qs.to(tl.float16)
-                    s += tl.dot(qs, tl.trans(_f16_1024(xk, r, K_BITS)))
-                    off += tl.sum(qs.to(tl.float32), 1)
-                elif K16 == 2:
-                    s += tl.dot(qs.to(tl.float16), tl.trans((_f16_1024(xk, r, K_BITS) - 1024.0).to(tl.float16)))
-                else:
-                    s += tl.dot(qs.to(DOT), tl.trans(_f32(xk, r, K_BITS).to(DOT)), input_precision=PREC)
-            s -= 1024.0 * off[:, None]
-            if ZPLANES:
-                for r in tl.static_range(PK):
-                    kz_r = tl.load(KZ + bh * D + PK * offs_k + r).to(tl.float32)
-                    s += tl.sum(_pick(qp0, qp1, qp2, qp3, r) * kz_r[None, :], 1)[:, None]
+    trow = TABLE + b * stride_tb
+    for j in range(j0, j1, PAGES):
+        blk0 = tl.load(trow + j).to(tl.int64)
+        s = _page_scores(KD, KC, KS, KZ, blk0 * H + h, 0, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+                         D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM)
+        bt = tl.full((T,), 0, tl.int64) + blk0
+        if PAGES > 1:
+            blk1 = tl.load(trow + tl.minimum(j + 1, j1 - 1)).to(tl.int64)  # past j1: a valid id, unused
+            s1 = _page_scores(KD, KC, KS, KZ, blk1 * H + h, 1, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+                              D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM)
+            bt = tl.where(n_t == 1, blk1, bt)
+            if PAGES > 2:
+                blk2 = tl.load(trow + tl.minimum(j + 2, j1 - 1)).to(tl.int64)  # past j1: a valid id, unused
+                blk3 = tl.load(trow + tl.minimum(j + 3, j1 - 1)).to(tl.int64)  # past j1: a valid id, unused
+                s2 = _page_scores(KD, KC, KS, KZ, blk2 * H + h, 2, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+                                  D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM)
+                s3 = _page_scores(KD, KC, KS, KZ, blk3 * H + h, 3, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+                                  D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM)
+                bt = tl.where(n_t == 2, blk2, tl.where(n_t == 3, blk3, bt))
+                s = tl.reshape(tl.join(tl.join(s, s2), tl.join(s1, s3)), (G_PAD, T))  # t % 4 == page
             else:
-                kz = tl.load(KZ + bh * D + offs_d).to(tl.float32)
-                s += tl.sum(qp * kz[None, :], 1)[:, None]
-        s = tl.where(((j * P + offs_p) >= start)[None, :], s, float("-inf"))
+                s = tl.reshape(tl.join(s, s1), (G_PAD, T))
+        page = j + n_t
+        ok = page < j1
+        s = tl.where((ok & (page * P + i_t >= start))[None, :], s, float("-inf"))
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+        row = (bt * H + h) * P + i_t  # the token's row in the [N * H * P, ...] pool
         if V_BITS == 16:
-            vptr = VD + bh * P * D + offs_p[:, None] * D + offs_v[None, :]
-            v0 = tl.load(vptr).to(DOT)
+            vm = ok[:, None]
+            v0 = tl.load(VD + row[:, None] * D + offs_v[None, :], mask=vm, other=0.0).to(DOT)
             v1 = v0
             v2 = v0
             v3 = v0
             pv = p.to(DOT)
         else:
-            xv = tl.load(VC + bh * P * DV + offs_p[:, None] * DV + offs_v[None, :]).to(tl.int32)
-            vs_off = bh * P * NG + offs_p[:, None] * NG + tl.arange(0, NG)[None, :]
+            vm = ok[:, None]
+            xv = tl.load(VC + row[:, None] * DV + offs_v[None, :], mask=vm, other=0)
+            vs_off = row[:, None] * NG + tl.arange(0, NG)[None, :]
             # column i of every sub-tile is in group i // (GS // PV)
             VT: tl.constexpr = tl.float16 if V16 else tl.float32
-            vs = tl.reshape(tl.broadcast_to(tl.load(VS + vs_off).to(VT)[:, :, None], (P, NG, GS // PV)), (P, DV))
-            vz = tl.reshape(tl.broadcast_to(tl.load(VZ + vs_off).to(VT)[:, :, None], (P, NG, GS // PV)), (P, DV))
-            if V16:  # fp16 codes (1024 + c) - 1024, exact; one fp16 FMA per value
-                v0 = (_f16_1024(xv, 0, V_BITS) - 1024.0).to(tl.float16) * vs + vz
+            vs = tl.reshape(tl.broadcast_to(tl.load(VS + vs_off, mask=vm, other=0.0).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
+            vz = tl.reshape(tl.broadcast_to(tl.load(VZ + vs_off, mask=vm, other=0.0).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
+            if V16:  # fp16 codes, exact; one fp16 FMA per value
+                v0 = _f16(xv, 0, V_BITS, ASM) * vs + vz
                 v1 = v0
                 v2 = v0
                 v3 = v0
                 if PV > 1:
-                    v1 = (_f16_1024(xv, 1, V_BITS) - 1024.0).to(tl.float16) * vs + vz
+                    v1 = _f16(xv, 1, V_BITS, ASM) * vs + vz
                 if PV > 2:
-                    v2 = (_f16_1024(xv, 2, V_BITS) - 1024.0).to(tl.float16) * vs + vz
-                    v3 = (_f16_1024(xv, 3, V_BITS) - 1024.0).to(tl.float16) * vs + vz
+                    v2 = _f16(xv, 2, V_BITS, ASM) * vs + vz
+                    v3 = _f16(xv, 3, V_BITS, ASM) * vs + vz
                 pv = p.to(tl.float16)
             else:
                 v0 = (_f32(xv, 0, V_BITS) * vs + vz).to(DOT)
@@ -318,32 +388,49 @@ def _decode_kernel(
         _store(OR, o_off, r0, r1, r2, r3, inv, om, PV)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
     tl.store(LSE + (b * H * G + h * G + offs_g) * n_splits + split, lse, mask=gmask)
+    if MERGE:
+        # The last split of this (row, KV head) to finish merges all of them (no second
+        # launch). COUNT[pid] counts finished splits; the merger sets it back to 0.
+        tl.debug_barrier()  # every thread's partial is written before the release
+        done = tl.atomic_add(COUNT + pid, 1, sem="acq_rel")
+        if done == n_splits - 1:
+            _merge_splits(O, LSE, OUT, LOUT, b * H * G + h * G, n_splits, G, GM, SB, D)
+            tl.atomic_xchg(COUNT + pid, 0)
 
 
-@triton.jit(do_not_specialize=["S", "s_o_b", "s_o_h", "s_o_s", "s_l_b", "s_l_h"])
-def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
-                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr):
-    """Merge the splits of one (row, query head) by log-sum-exp."""
-    pid = tl.program_id(0)
-    b = pid // HQ
-    hq = pid % HQ
-    offs_s = tl.arange(0, S_PAD)
+@triton.jit
+def _merge_splits(O, LSE, OUT, LOUT, row0, n_splits, G: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr, D: tl.constexpr):
+    """out = sum_s exp(lse_s - lse) o_s over the splits of query rows row0 .. row0 + G - 1, SB
+    splits at a time (online, like the softmax); partials are read past L1 (.cg): other
+    programs wrote them."""
+    offs_g = tl.arange(0, GM)
     offs_d = tl.arange(0, D)
-    smask = offs_s < S
-    lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)
-    denom = tl.sum(w, 0)
-    w = w / tl.where(denom > 0, denom, 1.0)
-    o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], 0)
-    tl.store(OUT + b * s_out_b + hq * s_out_h + offs_d, out.to(OUT.dtype.element_ty))
-    tl.store(LOUT + b * HQ + hq, tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf")))
+    rows = row0 + offs_g
+    gm = offs_g < G
+    m = tl.full((GM,), float("-inf"), tl.float32)
+    den = tl.zeros((GM,), tl.float32)
+    acc = tl.zeros((GM, D), tl.float32)
+    for s0 in range(0, n_splits, SB):
+        offs_s = s0 + tl.arange(0, SB)
+        ms = gm[:, None] & (offs_s < n_splits)[None, :]
+        lse = tl.load(LSE + rows[:, None] * n_splits + offs_s[None, :], mask=ms, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(O + (rows[:, None, None] * n_splits + offs_s[None, :, None]) * D + offs_d[None, None, :],
+                    mask=ms[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        c = tl.exp(m - m_safe)
+        w = tl.exp(lse - m_safe[:, None])
+        den = den * c + tl.sum(w, 1)
+        acc = acc * c[:, None] + tl.sum(o * w[:, :, None], 1)
+        m = m_new
+    ok = den > 0
+    out = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
+    tl.store(OUT + rows[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=gm[:, None])
+    tl.store(LOUT + rows, tl.where(ok, m + tl.log(tl.where(ok, den, 1.0)), float("-inf")), mask=gm)
 
 
 # Launch knobs, measured on the H200 (notes/decode-kernel.md); scripts/diag_speed.py sweeps them.
-TUNE = dict(num_warps=4, num_stages=2, programs_per_sm=8, k16=2, v16=False, prefetch=False, zplanes=False)
+TUNE = dict(num_warps=4, num_stages=2, programs_per_sm=8, k16=2, v16=True, pages=2, words=True, asm=True)
 LAST: dict = {}  # the last compiled decode kernel launched (registers, spills: scripts/diag_speed.py)
 
 
@@ -371,6 +458,19 @@ def _dummies(device, dtype):
     return _DUMMIES[key]
 
 
+_COUNTERS: dict = {}
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """Per-device int32 zeros, one per (row, KV head): the in-kernel merge's finished-split
+    counts. Each merge sets its counter back to 0, so the buffer is reused across calls (and
+    CUDA graph replays) without clearing; one stream at a time uses it."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return buf
+
+
 _HADAMARD: dict = {}
 
 
@@ -379,6 +479,20 @@ def _hadamard_on(d: int, device) -> torch.Tensor:
     if key not in _HADAMARD:
         _HADAMARD[key] = hadamard(d, torch.float32, device)
     return _HADAMARD[key]
+
+
+def _per(bits: int, words: bool) -> int:
+    """Sub-tiles of one side (the kernel's PK/PV): codes per load word, int16 words for 8 and
+    4 bits when `words`, bytes otherwise."""
+    return 1 if bits == 16 else (16 if words and bits >= 4 else 8) // bits
+
+
+def _words(codes: torch.Tensor, bits: int, words: bool) -> torch.Tensor:
+    return codes.view(torch.int16) if words and bits in (4, 8) and codes.is_contiguous() else codes
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _contiguous(**tensors) -> None:
@@ -390,8 +504,10 @@ def _contiguous(**tensors) -> None:
 def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
     """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None)."""
     pages, fmt = view.pages, view.pages.fmt
-    if fmt.v_bits < 8 and fmt.group_size % (8 // fmt.v_bits):
-        raise BackendUnavailableError(f"triton decode needs group_size divisible by {8 // fmt.v_bits} at {fmt.v_bits} bits, got {fmt.group_size}")
+    words = TUNE["words"]
+    per_v = _per(fmt.v_bits, words)
+    if fmt.group_size % per_v:
+        raise BackendUnavailableError(f"triton decode needs group_size divisible by {per_v} at {fmt.v_bits} bits, got {fmt.group_size}")
     B, Hq, _, D = q.shape
     H, P = fmt.num_kv_heads, fmt.block_size
     G = Hq // H
@@ -412,17 +528,24 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     if splits is None:
         sm = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 4
         splits = num_splits(B, H, total, sm)
-    bps = max(1, math.ceil(total / splits))
+    pages_per_step = TUNE["pages"]
+    bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
     splits = max(1, math.ceil(total / bps))
     merged = splits == 1 and not fmt.rotate  # one split: the kernel writes the final output
+    merge = splits > 1 and not fmt.rotate  # several: the last split of each head merges in-kernel
     o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
     o_r = torch.empty_like(o) if fmt.rotate else o
     lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
+    out, lout, count = o, lse, table
+    if merge:
+        out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+        lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
+        count = _counters(q.device, B * H)
     u8, f = _dummies(q.device, view.sink_k.dtype)
     KD = pages.k if fmt.k_bits == 16 else f
     VD = pages.v if fmt.v_bits == 16 else f
-    KC, KS, KZ = (pages.k_codes, pages.k_scale, pages.k_zero) if fmt.k_bits != 16 else (u8, f, f)
-    VC, VS, VZ = (pages.v_codes, pages.v_scale, pages.v_zero) if fmt.v_bits != 16 else (u8, f, f)
+    KC, KS, KZ = (_words(pages.k_codes, fmt.k_bits, words), pages.k_scale, pages.k_zero) if fmt.k_bits != 16 else (u8, f, f)
+    VC, VS, VZ = (_words(pages.v_codes, fmt.v_bits, words), pages.v_scale, pages.v_zero) if fmt.v_bits != 16 else (u8, f, f)
     _contiguous(sink_k=view.sink_k, sink_v=view.sink_v, k=KD, v=VD, k_codes=KC, k_scale=KS, k_zero=KZ, v_codes=VC, v_scale=VS, v_zero=VZ)
     dot = tl.float16 if q.dtype == torch.float16 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32)
     half = dot != tl.float32
@@ -432,13 +555,15 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     LAST["kernel"] = _decode_kernel[(B * H, splits)](
         q2, qr, table, start if start is not None else table,
         view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
-        o, o_r, lse,
+        o, o_r, lse, out, lout, count,
         q2.stride(0), q2.stride(1), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
         n_blocks, min(view.n_sink, n_blocks), tail_len, bps, scale, splits,
         H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, P=P,
         K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate,
         HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
-        K16=TUNE["k16"] if half else 0, V16=half and TUNE["v16"], PREFETCH=TUNE["prefetch"], ZPLANES=TUNE["zplanes"], **opts,
+        K16=TUNE["k16"] if half else 0, V16=half and TUNE["v16"], PAGES=TUNE["pages"],
+        WORDS=words, ASM=TUNE["asm"] and q.is_cuda and not _interpreting(),
+        MERGE=merge, GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts,
     )
     if merged:
         return o, (lse if return_lse else None)
@@ -450,8 +575,4 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         out = (o * w[..., None]).sum(2) + (o_r * w[..., None]).sum(2) @ hmat
         total_lse = torch.where(denom > 0, m + torch.log(torch.where(denom > 0, denom, 1.0)), float("-inf"))
         return out[:, :, None].to(q.dtype), (total_lse if return_lse else None)
-    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
-    lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
-    _merge_kernel[(B * Hq,)](o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-                             out.stride(0), out.stride(1), HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
     return out, (lout if return_lse else None)
