@@ -132,8 +132,9 @@ def test_triton_prefill_with_padding_or_lse_takes_the_reference_path():
     assert torch.allclose(out.cpu(), ref_out, atol=1e-5) and torch.allclose(lse.cpu(), ref_lse, atol=1e-5)
 
 
-@pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False}],
-                         ids=lambda t: "-".join(f"{k}{int(v)}" for k, v in t.items()))
+@pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
+                                  {"merge": "launch"}],
+                         ids=lambda t: "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in t.items()))
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))
 def test_sweep_options_stay_correct(case, tune, monkeypatch):
     """The launch options scripts/diag_speed.py sweeps must all be correct, not just the default."""

@@ -429,8 +429,33 @@ def _merge_splits(O, LSE, OUT, LOUT, row0, n_splits, G: tl.constexpr, GM: tl.con
     tl.store(LOUT + rows, tl.where(ok, m + tl.log(tl.where(ok, den, 1.0)), float("-inf")), mask=gm)
 
 
+@triton.jit(do_not_specialize=["S", "s_o_b", "s_o_h", "s_o_s", "s_l_b", "s_l_h"])
+def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
+                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr):
+    """Merge the splits of one (row, query head) by log-sum-exp: the second launch of
+    TUNE["merge"] == "launch" (S_PAD compiles a variant per power of two of splits)."""
+    pid = tl.program_id(0)
+    b = pid // HQ
+    hq = pid % HQ
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D)
+    smask = offs_s < S
+    lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)
+    denom = tl.sum(w, 0)
+    w = w / tl.where(denom > 0, denom, 1.0)
+    o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0)
+    tl.store(OUT + b * s_out_b + hq * s_out_h + offs_d, out.to(OUT.dtype.element_ty))
+    tl.store(LOUT + b * HQ + hq, tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf")))
+
+
 # Launch knobs, measured on the H200 (notes/decode-kernel.md); scripts/diag_speed.py sweeps them.
-TUNE = dict(num_warps=4, num_stages=2, programs_per_sm=8, k16=2, v16=True, pages=2, words=True, asm=True)
+# merge: "kernel" = the last split of each head merges inside the decode launch (one launch
+# less of host time); "launch" = a second, parallel merge kernel (no serial tail on the GPU).
+TUNE = dict(num_warps=4, num_stages=2, programs_per_sm=8, k16=2, v16=True, pages=2, words=True, asm=True, merge="kernel")
 LAST: dict = {}  # the last compiled decode kernel launched (registers, spills: scripts/diag_speed.py)
 
 
@@ -540,15 +565,15 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
     splits = max(1, math.ceil(total / bps))
     merged = splits == 1 and not fmt.rotate  # one split: the kernel writes the final output
-    merge = splits > 1 and not fmt.rotate  # several: the last split of each head merges in-kernel
+    merge = splits > 1 and not fmt.rotate and TUNE["merge"] == "kernel"  # the last split of each head merges
     o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
     o_r = torch.empty_like(o) if fmt.rotate else o
     lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
     out, lout, count = o, lse, table
-    if merge:
+    if splits > 1 and not fmt.rotate:
         out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
         lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
-        count = _counters(q.device, B * H)
+        count = _counters(q.device, B * H) if merge else table
     u8, f = _dummies(q.device, view.sink_k.dtype)
     KD = pages.k if fmt.k_bits == 16 else f
     VD = pages.v if fmt.v_bits == 16 else f
@@ -583,4 +608,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         out = (o * w[..., None]).sum(2) + (o_r * w[..., None]).sum(2) @ hmat
         total_lse = torch.where(denom > 0, m + torch.log(torch.where(denom > 0, denom, 1.0)), float("-inf"))
         return out[:, :, None].to(q.dtype), (total_lse if return_lse else None)
+    if not merge:
+        _merge_kernel[(B * Hq,)](o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+                                 out.stride(0), out.stride(1), HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
     return out, (lout if return_lse else None)
