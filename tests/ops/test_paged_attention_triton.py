@@ -133,7 +133,7 @@ def test_triton_prefill_with_padding_or_lse_takes_the_reference_path():
 
 
 @pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
-                                  {"merge": "launch"}],
+                                  {"merge": "launch"}, {"merge": "kernel"}],
                          ids=lambda t: "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in t.items()))
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))
 def test_sweep_options_stay_correct(case, tune, monkeypatch):
@@ -142,6 +142,15 @@ def test_sweep_options_stay_correct(case, tune, monkeypatch):
 
     monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, **tune})
     test_triton_decode_within_budget(case, torch.float16)
+
+
+def test_merge_option():
+    from longctx.ops.paged_attention.triton import _merge_in_kernel
+
+    assert _merge_in_kernel("auto", capturing=False) and not _merge_in_kernel("auto", capturing=True)
+    assert _merge_in_kernel("kernel", capturing=True) and not _merge_in_kernel("launch", capturing=False)
+    with pytest.raises(ValueError, match="merge"):
+        _merge_in_kernel("fused", capturing=False)
 
 
 def test_head_dims_the_kernels_cannot_tile_go_to_the_reference():

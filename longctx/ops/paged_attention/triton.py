@@ -454,8 +454,10 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 
 # Launch knobs, measured on the H200 (notes/decode-kernel.md); scripts/diag_speed.py sweeps them.
 # merge: "kernel" = the last split of each head merges inside the decode launch (one launch
-# less of host time); "launch" = a second, parallel merge kernel (no serial tail on the GPU).
-TUNE = dict(num_warps=4, num_stages=2, programs_per_sm=8, k16=2, v16=True, pages=2, words=True, asm=True, merge="kernel")
+# less: ~20 us of host time per call); "launch" = a second, parallel merge kernel (~9 us less
+# GPU time at 128k, int4, H200); "auto" = "launch" while a CUDA graph is being captured (its
+# launches cost no host time on replay), else "kernel".
+TUNE = dict(num_warps=4, num_stages=2, programs_per_sm=8, k16=2, v16=True, pages=2, words=True, asm=True, merge="auto")
 LAST: dict = {}  # the last compiled decode kernel launched (registers, spills: scripts/diag_speed.py)
 
 
@@ -516,6 +518,12 @@ def _words(codes: torch.Tensor, bits: int, words: bool) -> torch.Tensor:
     return codes.view(torch.int16) if words and bits in (4, 8) and codes.is_contiguous() else codes
 
 
+def _merge_in_kernel(option: str, capturing: bool) -> bool:
+    if option not in ("auto", "kernel", "launch"):
+        raise ValueError(f"TUNE['merge'] must be 'auto', 'kernel' or 'launch', got {option!r}")
+    return option == "kernel" or (option == "auto" and not capturing)
+
+
 def _pages_per_step(fmt) -> int:
     """Sealed pages per loop step: TUNE's for quantized pages, up to 128 tokens a step (more
     overflowed shared memory with 256-token pages); 16-bit pages measured faster one at a time."""
@@ -565,7 +573,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
     splits = max(1, math.ceil(total / bps))
     merged = splits == 1 and not fmt.rotate  # one split: the kernel writes the final output
-    merge = splits > 1 and not fmt.rotate and TUNE["merge"] == "kernel"  # the last split of each head merges
+    merge = splits > 1 and not fmt.rotate and _merge_in_kernel(TUNE["merge"], q.is_cuda and torch.cuda.is_current_stream_capturing())
     o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
     o_r = torch.empty_like(o) if fmt.rotate else o
     lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)

@@ -1,0 +1,107 @@
+"""Compile the decode kernel for the H200 (sm_90) on a machine without a GPU and count what
+its loops execute: registers, shared memory, and per loop the SASS instructions by opcode.
+
+Triton compiles for a named target without a device; ptxas and cuobjdump ship in the triton
+wheel. The counts are per warp and loop step; they say where the instructions go (code
+conversion, shared-memory round trips, softmax) before a GPU call measures the time.
+Pointer arguments and the integers Triton specializes are marked 16-divisible, as real
+launches on contiguous pools are; the compiler may differ in minor ways from the GPU's triton.
+
+Usage (repo root):
+  python3 scripts/sass_decode.py                          # int4, 64-token pages, TUNE's settings
+  python3 scripts/sass_decode.py --bits 8 --pages 1 --warps 8
+  python3 scripts/sass_decode.py --keep /tmp/sass          # also write .ttgir/.ptx/.sass there
+"""
+
+import argparse
+import inspect
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from longctx.ops.paged_attention import triton as K  # noqa: E402
+
+POINTERS = {"TABLE": "*i32", "START": "*i32", "O": "*fp32", "OR": "*fp32", "LSE": "*fp32", "LOUT": "*fp32", "COUNT": "*i32"}
+
+
+def compile_decode(a):
+    fn = K._decode_kernel
+    names = list(inspect.signature(fn.fn).parameters)
+    words = a.words and a.bits in (4, 8)
+    code = "*i16" if words else "*u8"
+    ptrs = dict(POINTERS, KC=code, VC=code)
+    G = a.q_heads // a.kv_heads
+    gm = triton.next_power_of_2(G)
+    const = dict(H=a.kv_heads, G=G, G_PAD=max(16, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.bits, GS=a.group_size,
+                 ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, PAGES=a.pages,
+                 WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)))
+    nospec = {names[i] if isinstance(i, int) else i for i in (getattr(fn, "do_not_specialize", None) or ())}
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.isupper() else "fp32" if n == "scale" else "i32" for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and n not in nospec)}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=a.warps, num_stages=a.stages))
+
+
+def loops(sass: str):
+    """(start, end, [opcodes]) of every backward branch's body, largest first."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    found = []
+    for addr, text in ins:
+        m = re.search(r"BRA\s+(?:!?P\d,\s*)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            ops = [t.split()[1 if t.startswith("@") else 0].split(".")[0] for x, t in ins if lo <= x <= addr]
+            found.append((lo, addr, ops))
+    return sorted(found, key=lambda f: -len(f[2]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bits", type=int, default=4, choices=(16, 8, 4, 2))
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--rotate", action="store_true")
+    ap.add_argument("--warps", type=int, default=K.TUNE["num_warps"])
+    ap.add_argument("--stages", type=int, default=K.TUNE["num_stages"])
+    ap.add_argument("--pages", type=int, default=K.TUNE["pages"])
+    ap.add_argument("--k16", type=int, default=K.TUNE["k16"])
+    ap.add_argument("--v16", type=int, default=int(K.TUNE["v16"]))
+    ap.add_argument("--words", type=int, default=int(K.TUNE["words"]))
+    ap.add_argument("--asm", type=int, default=int(K.TUNE["asm"]))
+    ap.add_argument("--merge", default="kernel", choices=("kernel", "launch"), help="kernel: with the in-kernel merge")
+    ap.add_argument("--keep", type=Path, help="write the kernel's .ttgir, .ptx and .sass into this folder")
+    a = ap.parse_args()
+    a.v16, a.words, a.asm = bool(a.v16), bool(a.words), bool(a.asm)
+    kernel = compile_decode(a)
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    cubin = Path("/tmp/_sass_decode.cubin")
+    cubin.write_bytes(kernel.asm["cubin"])
+    usage = subprocess.run([tools / "cuobjdump", "--dump-resource-usage", cubin], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([tools / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    total = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
+    print(f"registers {regs.group(1) if regs else '?'}, shared memory {kernel.metadata.shared} bytes, {total} instructions")
+    for lo, hi, ops in loops(sass):
+        top = ", ".join(f"{op} {n}" for op, n in Counter(ops).most_common(14))
+        print(f"loop {lo:#06x}-{hi:#06x}: {len(ops)} instructions per warp and step: {top}")
+    if a.keep:
+        a.keep.mkdir(parents=True, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            (a.keep / f"decode.{ext}").write_text(kernel.asm[ext])
+        (a.keep / "decode.sass").write_text(sass)
+
+
+if __name__ == "__main__":
+    main()
