@@ -4,7 +4,6 @@ Usage (GPU machine, repo root): python3 scripts/diag_speed.py OUT.json
 Each variant is checked against the reference path (gather + dequantize + SDPA) on the same
 view before it is timed; a variant that errs is reported and never chosen.
 """
-import itertools
 import json
 import sys
 import time

@@ -164,10 +164,11 @@ def _store(O, off, a0, a1, a2, a3, inv, om, PV: tl.constexpr):
 def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
                  D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr, K_BITS: tl.constexpr,
                  DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr):
-    """Base-2 scores [G_PAD, P] of the n-th page of a step (pool row bh = block * H + head;
-    its loads are skipped when n >= left, the pages left in the split). Quantized K: sub-tile r adds (q*s)_r . codes_r
-    (K16: codes as fp16 through a 16-bit dot; 1 subtracts 1024 * the sum of the rounded q*s the
-    dots saw, 2 takes the 1024 off the codes), then q . zero-point."""
+    """Base-2 scores [G_PAD, P] of the n-th page of a loop step (pool row bh = block * H +
+    head; its loads are skipped when n >= left, the pages left in the split). Quantized K:
+    sub-tile r adds (q*s)_r . codes_r (K16: codes as fp16 through a 16-bit dot; 1 subtracts
+    1024 * the sum of the rounded q*s the dots saw, 2 takes the 1024 off the codes), then
+    q . zero-point."""
     pm = (offs_p[:, None] * 0 + n) < left  # tensor masks: the interpreter takes no scalar bool
     cm = (offs_d * 0 + n) < left
     s = tl.zeros((qp.shape[0], P), tl.float32)
@@ -209,8 +210,9 @@ def _decode_kernel(
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
-    n_splits, D] and LSE [B, H*G, n_splits]. K16/V16: quantized K/V go through fp16 dots
-    (DOT is 16-bit), else through DOT with fp32 dequantization."""
+    n_splits, D] and LSE [B, H*G, n_splits]; with MERGE also the merged OUT [B, H*G, D] and
+    LOUT [B, H*G] (COUNT: int32 zeros per row and KV head, left at zero). K16/V16: quantized
+    K/V go through fp16 dots (DOT is 16-bit), else through DOT with fp32 dequantization."""
     # sub-tiles per side: codes per load word (int16 words for 8 and 4 bits when WORDS)
     PK: tl.constexpr = 1 if K_BITS == 16 else (16 if WORDS and K_BITS >= 4 else 8) // K_BITS
     PV: tl.constexpr = 1 if V_BITS == 16 else (16 if WORDS and V_BITS >= 4 else 8) // V_BITS
@@ -525,8 +527,9 @@ def _merge_in_kernel(option: str, capturing: bool) -> bool:
 
 
 def _pages_per_step(fmt) -> int:
-    """Sealed pages per loop step: TUNE's for quantized pages, up to 128 tokens a step (more
-    overflowed shared memory with 256-token pages); 16-bit pages measured faster one at a time."""
+    """Sealed pages per loop step: TUNE's for quantized pages, up to 128 tokens a step (two
+    256-token pages overflowed shared memory); 16-bit pages one at a time, as when they met
+    their target (two a step were not faster in the one run that tried them)."""
     if fmt.k_bits == 16 and fmt.v_bits == 16:
         return 1
     return max(1, min(TUNE["pages"], 128 // fmt.block_size))
