@@ -144,6 +144,25 @@ def test_sweep_options_stay_correct(case, tune, monkeypatch):
     test_triton_decode_within_budget(case, torch.float16)
 
 
+def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
+    """The last split of each head merges and resets its counter: a second call (and any
+    other layer) reuses the buffer without clearing it, and gets the same result."""
+    from longctx.ops.paged_attention import triton as kernel
+
+    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": "kernel"})
+    cfg = KVConfig(bits=4, block_size=16)
+    cache, _, _ = fill(cfg, 2, 200, 1, 2, 64, dtype=torch.float16, seed=3)
+    view = _to(cache.view(0), DEVICE)
+    q = torch.randn(2, 8, 1, 64, generator=torch.Generator().manual_seed(4)).half().to(DEVICE)
+    first, lse1 = paged_decode_triton(q, view, None, 64**-0.5, splits=5)
+    counters = kernel._COUNTERS[q.device]
+    assert (counters == 0).all()
+    second, lse2 = paged_decode_triton(q, view, None, 64**-0.5, splits=5)
+    assert torch.equal(first, second) and torch.equal(lse1, lse2) and (counters == 0).all()
+    ref, ref_lse = paged_attention(q.cpu(), cache.view(0), backend="reference")
+    assert (first.cpu().float() - ref.float()).abs().max() < 4e-3
+
+
 def test_merge_option():
     from longctx.ops.paged_attention.triton import _merge_in_kernel
 
