@@ -386,8 +386,8 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     transformers' DynamicCache + SDPA and with LongCtxCache in each format, same model.
     LongCtxCache's prefill time includes sealing the prompt's last chunk (which would
     otherwise land in the first decode step). The first `warmup` decode steps are not timed
-    (they compile the decode kernels: ~1 s once per process, not per token); 64 timed tokens
-    include one seal of every layer's tail, as steady decoding does every 64 tokens."""
+    (they compile the decode kernels: ~1 s once per process, not per token); the default 64
+    timed tokens include one seal of every layer's tail, as steady decoding does every 64."""
     import time
 
     from transformers import DynamicCache
