@@ -82,7 +82,13 @@ def _hadamard_cpu(d: int) -> torch.Tensor:
 
 
 def hadamard(d: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """Normalized Sylvester Hadamard matrix [d, d]: symmetric, H @ H = I."""
+    """Normalized Sylvester Hadamard matrix [d, d]: symmetric, H @ H = I. One shared tensor
+    per (d, dtype, device), built once: treat it as read-only."""
+    return _hadamard_on(d, dtype, torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard_on(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _hadamard_cpu(d).to(dtype=dtype, device=device)
 
 

@@ -68,3 +68,32 @@ class PagedView:
     @property
     def total_len(self) -> int:
         return self.past_len + self.tail_k.shape[2]
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def kernel_pools(view: PagedView, who: str, code_view=None) -> tuple[torch.Tensor, ...]:
+    """The pool tensors a Triton kernel over `view` takes, in its argument order: (k, v,
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero). A kernel takes pointers for both
+    layouts of each side; the layout a side does not use gets 1-element placeholders.
+    Sinks and pools must be contiguous (the kernels derive their strides): else ValueError
+    naming `who`. code_view(codes, bits) may re-type the codes (e.g. as int16 words)."""
+    pages, fmt = view.pages, view.pages.fmt
+    key = (view.sink_k.device, view.sink_k.dtype)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = (torch.zeros(1, dtype=torch.uint8, device=key[0]), torch.zeros(1, dtype=key[1], device=key[0]))
+    u8, f = _PLACEHOLDERS[key]
+    k = pages.k if fmt.k_bits == 16 else f
+    v = pages.v if fmt.v_bits == 16 else f
+    kq = (pages.k_codes, pages.k_scale, pages.k_zero) if fmt.k_bits != 16 else (u8, f, f)
+    vq = (pages.v_codes, pages.v_scale, pages.v_zero) if fmt.v_bits != 16 else (u8, f, f)
+    named = dict(sink_k=view.sink_k, sink_v=view.sink_v, k=k, v=v, k_codes=kq[0], k_scale=kq[1], k_zero=kq[2],
+                 v_codes=vq[0], v_scale=vq[1], v_zero=vq[2])
+    for name, t in named.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{who}: {name} {tuple(t.shape)} must be contiguous (the kernel derives its strides)")
+    if code_view is not None:
+        kq = (code_view(kq[0], fmt.k_bits), *kq[1:]) if fmt.k_bits != 16 else kq
+        vq = (code_view(vq[0], fmt.v_bits), *vq[1:]) if fmt.v_bits != 16 else vq
+    return (k, v, *kq, *vq)

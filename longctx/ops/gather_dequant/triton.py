@@ -12,13 +12,12 @@ Never imports the reference; tests/ops/test_gather_dequant.py compares the two.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..pages import PagedView
+from ...quant import hadamard
+from ..pages import PagedView, kernel_pools
 
 
 @triton.jit
@@ -81,18 +80,11 @@ def _gather_kernel(TABLE, SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, HMAT, 
     _side(SINK_V, VD, VC, VS, VZ, HMAT, OV, blk, h, is_sink, offs_p, rows, H, D, P, V_BITS, GS, True, ROTATE)
 
 
-@functools.lru_cache(maxsize=8)
-def _hadamard(d: int, device: str) -> torch.Tensor:
-    from ...quant import hadamard
-
-    return hadamard(d, torch.float32, device)
-
-
 def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
     """Write the sealed past of `view` into out_k/out_v [B, H, >= n_blocks*P, D] (positions
     0 .. n_blocks*P-1; the rest is left alone). out_k and out_v must share strides and have
     a unit stride along D."""
-    pages, fmt = view.pages, view.pages.fmt
+    fmt = view.pages.fmt
     table = view.block_table
     B, n = table.shape
     if n == 0:
@@ -102,15 +94,8 @@ def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Ten
         raise ValueError(f"gather_dequant_triton: out {tuple(out_k.shape)} cannot hold [B={B}, H={H}, {n * P}, D={D}]")
     if out_k.stride() != out_v.stride() or out_k.stride(-1) != 1:
         raise ValueError("gather_dequant_triton: out_k/out_v must share strides, unit stride along D")
-    z8 = torch.zeros(1, dtype=torch.uint8, device=table.device)
-    zf = view.sink_k.new_zeros(1)
-    KD, VD = (pages.k if fmt.k_bits == 16 else zf), (pages.v if fmt.v_bits == 16 else zf)
-    KC, KS, KZ = (pages.k_codes, pages.k_scale, pages.k_zero) if fmt.k_bits != 16 else (z8, zf, zf)
-    VC, VS, VZ = (pages.v_codes, pages.v_scale, pages.v_zero) if fmt.v_bits != 16 else (z8, zf, zf)
-    for name, t in dict(sink_k=view.sink_k, sink_v=view.sink_v, k=KD, v=VD, k_codes=KC, k_scale=KS, k_zero=KZ, v_codes=VC, v_scale=VS, v_zero=VZ).items():
-        if not t.is_contiguous():
-            raise ValueError(f"gather_dequant_triton: {name} {tuple(t.shape)} must be contiguous")
-    hmat = _hadamard(D, str(table.device)) if fmt.rotate else zf
+    KD, VD, KC, KS, KZ, VC, VS, VZ = kernel_pools(view, "gather_dequant_triton")
+    hmat = hadamard(D, torch.float32, table.device) if fmt.rotate else view.sink_k  # (unread without rotation)
     _gather_kernel[(B * H, n)](
         table, view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, hmat, out_k, out_v,
         table.stride(0), out_k.stride(0), out_k.stride(1), out_k.stride(2), min(view.n_sink, n),

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ...errors import BackendUnavailableError
 from ...quant import hadamard
-from ..pages import PagedView
+from ..pages import PagedView, kernel_pools
 
 NEG_BIG = tl.constexpr(-1.0e30)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -477,16 +477,6 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-_DUMMIES: dict = {}
-
-
-def _dummies(device, dtype):
-    key = (device, dtype)
-    if key not in _DUMMIES:
-        _DUMMIES[key] = (torch.zeros(1, dtype=torch.uint8, device=device), torch.zeros(1, dtype=dtype, device=device))
-    return _DUMMIES[key]
-
-
 _COUNTERS: dict = {}
 
 
@@ -500,16 +490,6 @@ def _counters(device, n: int) -> torch.Tensor:
     return buf
 
 
-_HADAMARD: dict = {}
-
-
-def _hadamard_on(d: int, device) -> torch.Tensor:
-    key = (d, str(device))
-    if key not in _HADAMARD:
-        _HADAMARD[key] = hadamard(d, torch.float32, device)
-    return _HADAMARD[key]
-
-
 def _per(bits: int, words: bool) -> int:
     """Sub-tiles of one side (the kernel's PK/PV): codes per load word, int16 words for 8 and
     4 bits when `words`, bytes otherwise."""
@@ -517,7 +497,7 @@ def _per(bits: int, words: bool) -> int:
 
 
 def _words(codes: torch.Tensor, bits: int, words: bool) -> torch.Tensor:
-    return codes.view(torch.int16) if words and bits in (4, 8) and codes.is_contiguous() else codes
+    return codes.view(torch.int16) if words and bits in (4, 8) else codes
 
 
 def _merge_in_kernel(option: str, capturing: bool) -> bool:
@@ -539,15 +519,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _contiguous(**tensors) -> None:
-    for name, t in tensors.items():
-        if not t.is_contiguous():
-            raise ValueError(f"paged_decode_triton: {name} {tuple(t.shape)} must be contiguous (the kernel derives its strides)")
-
-
 def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
     """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None)."""
-    pages, fmt = view.pages, view.pages.fmt
+    fmt = view.pages.fmt
     words = TUNE["words"]
     per_v = _per(fmt.v_bits, words)
     if fmt.group_size % per_v:
@@ -558,7 +532,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     q2 = q[:, :, 0]
     if q2.stride(-1) != 1:
         q2 = q2.contiguous()
-    hmat = _hadamard_on(D, q.device) if fmt.rotate else None
+    hmat = hadamard(D, torch.float32, q.device) if fmt.rotate else None
     qr = (q2.float() @ hmat).to(q2.dtype) if fmt.rotate else q2
     table = view.block_table
     n_blocks = table.shape[1]
@@ -585,12 +559,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
         lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
         count = _counters(q.device, B * H) if merge else table
-    u8, f = _dummies(q.device, view.sink_k.dtype)
-    KD = pages.k if fmt.k_bits == 16 else f
-    VD = pages.v if fmt.v_bits == 16 else f
-    KC, KS, KZ = (_words(pages.k_codes, fmt.k_bits, words), pages.k_scale, pages.k_zero) if fmt.k_bits != 16 else (u8, f, f)
-    VC, VS, VZ = (_words(pages.v_codes, fmt.v_bits, words), pages.v_scale, pages.v_zero) if fmt.v_bits != 16 else (u8, f, f)
-    _contiguous(sink_k=view.sink_k, sink_v=view.sink_v, k=KD, v=VD, k_codes=KC, k_scale=KS, k_zero=KZ, v_codes=VC, v_scale=VS, v_zero=VZ)
+    KD, VD, KC, KS, KZ, VC, VS, VZ = kernel_pools(view, "paged_decode_triton", lambda c, bits: _words(c, bits, words))
     dot = tl.float16 if q.dtype == torch.float16 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32)
     half = dot != tl.float32
     opts = dict(num_warps=TUNE["num_warps"])
