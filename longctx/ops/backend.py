@@ -10,10 +10,14 @@ import torch
 from ..errors import BackendUnavailableError
 
 
-def resolve_backend(backend: str, q: torch.Tensor, head_dim: int | None = None) -> str:
+def resolve_backend(backend: str, q: torch.Tensor, head_dim: int | None = None, storage: bool = False) -> str:
     """"auto" -> "triton" for CUDA tensors when triton imports and the kernels serve the
-    shape (a power-of-two head_dim: their tiles are powers of two), else "reference"."""
+    shape (a power-of-two head_dim: their tiles are powers of two), else "reference".
+    storage: the op stores or reads pages for the cache (sealing, gathering) rather than
+    attending; "flex" is an attention backend only, so those ops take "auto"'s choice."""
     shape_ok = head_dim is None or (head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+    if storage and backend == "flex":
+        backend = "auto"
     match backend:
         case "auto":
             return "triton" if q.is_cuda and shape_ok and triton_available() else "reference"

@@ -21,9 +21,7 @@ def gather_dequant(view: PagedView, backend: str = "auto", out_dtype: torch.dtyp
     if extra < 0:
         raise ValueError(f"gather_dequant: extra must be >= 0, got {extra}")
     dtype = out_dtype or view.pages.fmt.dtype
-    if backend == "flex":  # an attention backend: storage ops take the default
-        backend = "auto"
-    match resolve_backend(backend, view.block_table, view.pages.fmt.head_dim):
+    match resolve_backend(backend, view.block_table, view.pages.fmt.head_dim, storage=True):
         case "reference":
             from .reference import gather_dequant_reference
 

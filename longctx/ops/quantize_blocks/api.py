@@ -24,9 +24,7 @@ def quantize_blocks(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, backend:
             raise ValueError(f"quantize_blocks: {name} must be [N, {expected[0]}, {expected[1]}, {expected[2]}], got {tuple(x.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"quantize_blocks: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    if backend == "flex":  # an attention backend: storage ops take the default
-        backend = "auto"
-    match resolve_backend(backend, k, k.shape[-1]):
+    match resolve_backend(backend, k, k.shape[-1], storage=True):
         case "reference":
             from .reference import quantize_blocks_reference
 
