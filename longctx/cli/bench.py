@@ -12,6 +12,11 @@ from rich.table import Table
 app = typer.Typer(help="Measure speed on a GPU (same-process peers, ratios to SDPA dense bf16).", no_args_is_help=True)
 
 
+def _names(text: str) -> list[str]:
+    """"int4, int8" -> ["int4", "int8"] (unknown names are the bench's to reject)."""
+    return [f.strip() for f in text.split(",")]
+
+
 def _sizes(text: str) -> list[int]:
     out = []
     for part in text.split(","):
@@ -50,7 +55,7 @@ def decode(
 
     if plot is not None:
         _need_matplotlib()
-    rows = bench_decode(_sizes(contexts), _sizes(batch), [f.strip() for f in formats.split(",")], shape, block_size, not no_peers, progress=show, graph=graph)
+    rows = bench_decode(_sizes(contexts), _sizes(batch), _names(formats), shape, block_size, not no_peers, progress=show, graph=graph)
     table = Table(title=f"Decode attention per layer ({shape}), median{', CUDA-graph replays' if graph else ''}")
     for col in ("kernel", "context", "batch", "ms", "TB/s", "vs SDPA bf16"):
         table.add_column(col, justify="left" if col == "kernel" else "right")
@@ -104,7 +109,7 @@ def prefill(
     """
     from ..bench import bench_prefill
 
-    rows = bench_prefill(_sizes(contexts), chunk, [f.strip() for f in formats.split(",")], shape, block_size)
+    rows = bench_prefill(_sizes(contexts), chunk, _names(formats), shape, block_size)
     table = Table(title=f"Prefill chunk per layer ({shape}), median")
     for col in ("kernel", "context", "chunk", "ms", "tokens/s", "vs SDPA bf16"):
         table.add_column(col, justify="left" if col == "kernel" else "right")
@@ -127,7 +132,7 @@ def seal(
     """
     from ..bench import bench_seal
 
-    rows = bench_seal(_sizes(context)[0], [f.strip() for f in formats.split(",")], block_size=block_size)
+    rows = bench_seal(_sizes(context)[0], _names(formats), block_size=block_size)
     table = Table(title="Decode step with append + sealing vs attention alone (per layer)")
     for col in ("format", "context", "step ms", "attend ms", "overhead"):
         table.add_column(col, justify="left" if col == "format" else "right")
@@ -154,7 +159,7 @@ def e2e(
     from ..bench import bench_e2e
 
     console = Console()
-    rows = bench_e2e(_sizes(context)[0], [f.strip() for f in formats.split(",")], new_tokens, chunk, layers,
+    rows = bench_e2e(_sizes(context)[0], _names(formats), new_tokens, chunk, layers,
                      progress=lambda r: console.print(f"  {r.name}: prefill {r.prefill_s:.1f} s, decode {r.decode_ms_per_token:.1f} ms/token, peak {r.peak_gib:.1f} GiB", highlight=False))
     table = Table(title=f"End to end, Llama-3-8B shape, {layers} layers, bf16 weights, batch 1")
     for col in ("cache", "context", "prefill s", "decode ms/token", "decode tok/s", "peak GiB", "decode vs Dynamic", "prefill vs Dynamic"):
