@@ -398,6 +398,12 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     model = llama3_8b_shaped(layers, context + warmup + new_tokens + 16, device)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
 
+    def decode(cache, tok, steps: int):
+        for _ in range(steps):
+            out = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache))
+            tok = out.logits[:, -1:].argmax(-1)
+        return tok
+
     def run(name, cache) -> E2ERow:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -408,17 +414,15 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
             tok = out.logits[:, -1:].argmax(-1)
             if isinstance(cache, LongCtxCache):  # seal the prompt's last chunk here, not in the first decode step
                 cache.paged.seal()
-            for _ in range(warmup):
-                out = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache))
-                tok = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            prefill_s = time.perf_counter() - t0
+            tok = decode(cache, tok, warmup)
             torch.cuda.synchronize()
             t1 = time.perf_counter()
-            for _ in range(new_tokens):
-                out = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache))
-                tok = out.logits[:, -1:].argmax(-1)
+            decode(cache, tok, new_tokens)
             torch.cuda.synchronize()
             t2 = time.perf_counter()
-        row = E2ERow(name, context, t1 - t0, (t2 - t1) / new_tokens * 1e3, torch.cuda.max_memory_allocated() / 2**30)
+        row = E2ERow(name, context, prefill_s, (t2 - t1) / new_tokens * 1e3, torch.cuda.max_memory_allocated() / 2**30)
         if progress is not None:
             progress(row)
         return row
