@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, ".")
 from longctx import KVConfig  # noqa: E402
-from longctx.bench import _copies, _time, _time_graph, synthetic_view, view_bytes  # noqa: E402
+from longctx.bench import _copies, _time, _time_graph, bench_decode, synthetic_view, view_bytes  # noqa: E402
 from longctx.ops.paged_attention import paged_attention  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
 
@@ -41,13 +41,9 @@ def measure(vs, q, tune, reps=15):
 
 
 def sdpa_ms(B, T):
-    import torch.nn.functional as F
-    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
-    L = _copies(2 * B * T * H * D * 2)
-    kvs = [(torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16), torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)) for _ in range(L)]
-    ms = _time_graph(lambda i: F.scaled_dot_product_attention(q, kvs[i][0], kvs[i][1], enable_gqa=True), L, 20)
-    del kvs
-    return ms
+    """The bench's SDPA dense bf16 peer, GPU time (CUDA-graph replays)."""
+    rows = bench_decode([T], [B], formats=(), graph=True)
+    return next(r.ms for r in rows if r.name == "SDPA dense bf16")
 
 
 def main(path):
