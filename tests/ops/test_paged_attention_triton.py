@@ -132,16 +132,18 @@ def test_triton_prefill_with_padding_or_lse_takes_the_reference_path():
     assert torch.allclose(out.cpu(), ref_out, atol=1e-5) and torch.allclose(lse.cpu(), ref_lse, atol=1e-5)
 
 
-@pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
+@pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"k16": 3}, {"k16": 3, "pages": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
                                   {"merge": "launch"}, {"merge": "kernel"}],
                          ids=lambda t: "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in t.items()))
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))
-def test_sweep_options_stay_correct(case, tune, monkeypatch):
-    """The launch options scripts/diag_speed.py sweeps must all be correct, not just the default."""
+@pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
+def test_sweep_options_stay_correct(case, tune, dtype, monkeypatch):
+    """The launch options scripts/diag_speed.py sweeps must all be correct, not just the
+    default (16-bit inputs: the options are those of the fp16/bf16 kernels)."""
     from longctx.ops.paged_attention import triton as kernel
 
     monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, **tune})
-    test_triton_decode_within_budget(case, torch.float16)
+    test_triton_decode_within_budget(case, dtype)
 
 
 def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):

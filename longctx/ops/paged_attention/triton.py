@@ -76,7 +76,13 @@ def _asm_int8(r: int) -> str:
             + "; mov.b32 k, 0x64006400; sub.f16x2 $0, t, k; }")
 
 
+def _asm_int4_bf16(r: int) -> str:
+    shift = f"shr.b32 t, $1, {4 * r}; " if r else "mov.b32 t, $1; "
+    return "{ .reg .b32 t, k; " + shift + "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; mov.b32 k, 0x43004300; sub.bf16x2 $0, t, k; }"
+
+
 ASM_I4_0, ASM_I4_1, ASM_I4_2, ASM_I4_3 = (tl.constexpr(_asm_int4(r)) for r in range(4))
+ASM_B4_0, ASM_B4_1, ASM_B4_2, ASM_B4_3 = (tl.constexpr(_asm_int4_bf16(r)) for r in range(4))
 ASM_I8_0, ASM_I8_1 = (tl.constexpr(_asm_int8(r)) for r in range(2))
 
 
@@ -105,6 +111,31 @@ def _f16(x, r: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _bf16_asm(x, r: tl.constexpr):
+    """Sub-tile r of int16 words of int4 codes as bf16 codes, exact (128 + c - 128), GPU only."""
+    if r == 0:
+        asm: tl.constexpr = ASM_B4_0
+    elif r == 1:
+        asm: tl.constexpr = ASM_B4_1
+    elif r == 2:
+        asm: tl.constexpr = ASM_B4_2
+    else:
+        asm: tl.constexpr = ASM_B4_3
+    return tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _codes16(x, r: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr):
+    """Sub-tile r as DT (fp16, or bf16 for codes < 128) codes, exact."""
+    if DT == tl.float16:
+        return _f16(x, r, BITS, ASM)
+    elif ASM and x.dtype == tl.int16 and BITS == 4:
+        return _bf16_asm(x, r)
+    else:
+        return (_code(x, r, BITS).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+
+
+@triton.jit
 def _pick(x0, x1, x2, x3, r: tl.constexpr):
     if r == 0:
         return x0
@@ -114,6 +145,27 @@ def _pick(x0, x1, x2, x3, r: tl.constexpr):
         return x2
     else:
         return x3
+
+
+@triton.jit
+def _half(x, first: tl.constexpr):
+    a, b = tl.split(x)
+    if first:
+        return a
+    else:
+        return b
+
+
+@triton.jit
+def _sub(x, r: tl.constexpr, PK: tl.constexpr, DK: tl.constexpr):
+    """Sub-tile r's channels (r, r + PK, r + 2 PK, ...) of a [D] vector loaded whole: one
+    contiguous load (which the pipeliner can copy asynchronously), split in registers."""
+    if PK == 1:
+        return x
+    elif PK == 2:
+        return _half(tl.reshape(x, (DK, 2)), r == 0)
+    else:  # [DK, 2, 2]: channel 4i + r at [i, r // 2, r % 2]
+        return _half(_half(tl.reshape(x, (DK, 2, 2)), r % 2 == 0), r < 2)
 
 
 @triton.jit
@@ -166,15 +218,23 @@ def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, q
                  DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr):
     """Base-2 scores [G_PAD, P] of the n-th page of a loop step (pool row bh = block * H +
     head; its loads are skipped when n >= left, the pages left in the split). Quantized K:
-    sub-tile r adds (q*s)_r . codes_r (K16: codes as fp16 through a 16-bit dot; 1 subtracts
-    1024 * the sum of the rounded q*s the dots saw, 2 takes the 1024 off the codes), then
-    q . zero-point."""
+    K16 == 3 dequantizes sub-tile r in fp16 (codes * s + z, one FMA per two values) and dots
+    it with the fixed fp16 query qp_r; 0-2 fold the per-channel scales into the query
+    instead, (q*s)_r . codes_r (0: fp32 codes through DOT; 1: fp16 1024 + code, subtracting
+    1024 * the sum of the rounded q*s the dots saw; 2: fp16 codes), then add q . z."""
     pm = (offs_p[:, None] * 0 + n) < left  # tensor masks: the interpreter takes no scalar bool
     cm = (offs_d * 0 + n) < left
     s = tl.zeros((qp.shape[0], P), tl.float32)
     if K_BITS == 16:  # (one return at the end: an early return in a branch miscompiled on the GPU)
         k = tl.load(KD + bh * P * D + offs_p[:, None] * D + offs_d[None, :], mask=pm, other=0.0)
         s = tl.dot(qp.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
+    elif K16 == 3:
+        xk = tl.load(KC + bh * P * DK + offs_p[:, None] * DK + offs_k[None, :], mask=pm, other=0)
+        ks = tl.load(KS + bh * D + offs_d, mask=cm, other=0.0)
+        kz = tl.load(KZ + bh * D + offs_d, mask=cm, other=0.0)
+        for r in tl.static_range(PK):
+            k = _codes16(xk, r, K_BITS, ASM, ks.dtype) * _sub(ks, r, PK, DK)[None, :] + _sub(kz, r, PK, DK)[None, :]
+            s += tl.dot(_pick(qp0, qp1, qp2, qp3, r), tl.trans(k))
     else:
         xk = tl.load(KC + bh * P * DK + offs_p[:, None] * DK + offs_k[None, :], mask=pm, other=0)
         ksb = KS + bh * D + PK * offs_k
@@ -243,6 +303,11 @@ def _decode_kernel(
     if PK > 2:
         qp2 = _load_q(QP, qbase, offs_g, gmask, 2, PK, DK, stride_qh, scale)
         qp3 = _load_q(QP, qbase, offs_g, gmask, 3, PK, DK, stride_qh, scale)
+    if K16 == 3:  # fixed 16-bit queries for K dequantized in the scales' dtype
+        qp0 = qp0.to(KS.dtype.element_ty)
+        qp1 = qp1.to(KS.dtype.element_ty)
+        qp2 = qp2.to(KS.dtype.element_ty)
+        qp3 = qp3.to(KS.dtype.element_ty)
     start = 0
     if HAS_START:
         start = tl.load(START + b)
@@ -562,6 +627,9 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     KD, VD, KC, KS, KZ, VC, VS, VZ = kernel_pools(view, "paged_decode_triton", lambda c, bits: _words(c, bits, words))
     dot = tl.float16 if q.dtype == torch.float16 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32)
     half = dot != tl.float32
+    k16 = TUNE["k16"] if half else 0
+    if k16 == 3 and (KS.dtype not in (torch.float16, torch.bfloat16) or (KS.dtype == torch.bfloat16 and fmt.k_bits == 8)):
+        k16 = 2  # K dequantizes in its scales' 16-bit dtype; bf16 holds codes < 128 exactly, not int8's
     opts = dict(num_warps=TUNE["num_warps"])
     if TUNE["num_stages"] is not None:
         opts["num_stages"] = TUNE["num_stages"]
@@ -574,7 +642,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, P=P,
         K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate,
         HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
-        K16=TUNE["k16"] if half else 0, V16=half and TUNE["v16"], PAGES=pages_per_step,
+        K16=k16, V16=half and TUNE["v16"], PAGES=pages_per_step,
         WORDS=words, ASM=TUNE["asm"] and q.is_cuda and not _interpreting(),
         MERGE=merge, GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts,
     )
