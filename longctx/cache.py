@@ -32,6 +32,15 @@ from .quant import BlockFormat
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def _index(values, device) -> torch.Tensor:
+    """int64 indices on `device` without a host sync: built on the host, copied from pinned
+    memory asynchronously (a plain torch.tensor(..., device=cuda) waits for the stream)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _storage_op(fn):
     """Run a method that creates or writes cache tensors outside inference mode and autograd:
     tensors born inside `torch.inference_mode()` could not be written to after it ends."""
@@ -279,20 +288,23 @@ class PagedKVCache:
                 f"are free; {max(0, avail // max(1, self.batch_size)) * P} more tokens per row fit. Nothing was lost.",
                 max(0, avail // max(1, self.batch_size)) * P,
             )
-        # 2. Compute every layer's sealed data before changing any state (a NaN raises here).
+        # 2. Compute every layer's sealed data before changing any state (a NaN raises here:
+        # one check of all layers' new blocks, one host sync per seal).
         rep_rows = [[g[0] for g in groups] for groups in plan]
         sink_sel = [(j, r) for j, reps in enumerate(rep_rows) if nb0 + j < self.config.sink_blocks for r in reps]
         quant_sel = [(j, r) for j, reps in enumerate(rep_rows) if nb0 + j >= self.config.sink_blocks for r in reps]
         blocks_k = self.tail_k[:, :, :, : n * P].unflatten(3, (n, P))  # [L, B, H, n, P, D]
         blocks_v = self.tail_v[:, :, :, : n * P].unflatten(3, (n, P))
+        if not bool(torch.isfinite(blocks_k).all() & torch.isfinite(blocks_v).all()):
+            raise ValueError("cannot seal keys/values: some are NaN or Inf; the model produced non-finite values, nothing was sealed")
         sealed = []
         if quant_sel:
-            js = torch.tensor([j for j, _ in quant_sel], device=self.device)
-            rs = torch.tensor([r for _, r in quant_sel], device=self.device)
+            js = _index([j for j, _ in quant_sel], self.device)
+            rs = _index([r for _, r in quant_sel], self.device)
             for l, fmt in enumerate(self.formats):
                 k = blocks_k[l][rs, :, js]  # [M, H, P, D]
                 v = blocks_v[l][rs, :, js]
-                sealed.append(quantize_blocks(k, v, fmt, backend=self.config.backend))
+                sealed.append(quantize_blocks(k, v, fmt, backend=self.config.backend, checked=True))
         # 3. Commit: ids, tables, pools, tails.
         sink_ids = self.sink_alloc.allocate(n_sink_new)
         quant_ids = self.block_alloc.allocate(n_quant_new)
@@ -307,14 +319,14 @@ class PagedKVCache:
                 qi += len(groups)
             self.tables.push(groups, ids)
         if sink_sel:
-            js = torch.tensor([j for j, _ in sink_sel], device=self.device)
-            rs = torch.tensor([r for _, r in sink_sel], device=self.device)
-            ids = torch.tensor(sink_ids, device=self.device)
+            js = _index([j for j, _ in sink_sel], self.device)
+            rs = _index([r for _, r in sink_sel], self.device)
+            ids = _index(sink_ids, self.device)
             # [L, B, H, n, P, D] -> [B, n, L, H, P, D] -> picked [M, L, H, P, D] -> [L, M, H, P, D]
             self.sink_k[:, ids] = blocks_k.permute(1, 3, 0, 2, 4, 5)[rs, js].transpose(0, 1)
             self.sink_v[:, ids] = blocks_v.permute(1, 3, 0, 2, 4, 5)[rs, js].transpose(0, 1)
         if quant_sel:
-            ids = torch.tensor(quant_ids, device=self.device)
+            ids = _index(quant_ids, self.device)
             for pages, data in zip(self.pages, sealed):
                 for name, t in data.items():
                     getattr(pages, name)[ids] = t
@@ -324,7 +336,10 @@ class PagedKVCache:
             self.tail_v[:, :, :, :rest] = self.tail_v[:, :, :, n * P : T0].clone()
         self.tail_len = [rest] * self.num_layers
         self.seals += n_sink_new + n_quant_new
-        self._table_tensor = None
+        old, self._table_tensor = self._table_tensor, None
+        if old is not None and tuple(old.shape) == (len(self.tables.rows), nb0):  # append the n new columns
+            new = _index([row[nb0:] for row in self.tables.rows], self.device).to(torch.int32).reshape(len(self.tables.rows), n)
+            self._table_tensor = torch.cat([old, new], 1)
         return n
 
     # ------------------------------------------------------------------ read
@@ -332,7 +347,7 @@ class PagedKVCache:
         """int32 [B, n_blocks]: logical block -> physical id (sink ids for j < sink_blocks)."""
         if self._table_tensor is None:
             rows = self.tables.rows
-            self._table_tensor = torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(rows), self.num_blocks)
+            self._table_tensor = _index(rows, self.device).to(torch.int32).reshape(len(rows), self.num_blocks)
         return self._table_tensor
 
     def view(self, layer: int) -> PagedView:

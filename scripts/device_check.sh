@@ -15,7 +15,7 @@ STAGES=("$@")
 want_stage() { [ ${#STAGES[@]} -eq 0 ] && return 0; local s; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 stage() { local name=$1 limit=$2; shift 2; want_stage "$name" || return 0; echo "== $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "(exit $?)"; grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -20; tail -"${TAIL:-30}" "$OUT/$name.log"; }
 # shellcheck disable=SC2086
-TAIL=4 stage tests 260 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/ops tests/test_cuda.py tests/test_transformers.py}
+TAIL=4 stage tests 330 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/ops tests/test_cuda.py tests/test_transformers.py}
 TAIL=8 stage host 40 python3 scripts/diag_host.py
 TAIL=16 stage decode_graph 150 python3 -m longctx bench decode --graph --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode_graph.json"
 stage decode 200 python3 -m longctx bench decode --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode.json"
@@ -24,4 +24,4 @@ TAIL=12 stage seal 45 python3 -m longctx bench seal --context 128k --formats int
 TAIL=12 stage prefill 45 python3 -m longctx bench prefill --contexts 32k,128k --json "$OUT/prefill.json"
 TAIL=12 stage decode_b8 45 python3 -m longctx bench decode --contexts 32k --batch 8 --formats int4 --json "$OUT/decode_b8.json"
 TAIL=12 stage decode_p128 45 python3 -m longctx bench decode --contexts 128k,512k --batch 1 --formats int4 --block-size 128 --no-peers
-TAIL=40 stage sweep 330 python3 scripts/diag_speed.py "$OUT/diag_speed.json"
+TAIL=60 stage sweep 240 python3 scripts/diag_speed.py "$OUT/diag_speed.json"

@@ -153,6 +153,24 @@ def test_nan_raises_and_seals_nothing():
     assert cache.num_blocks == 0 and cache.block_alloc.num_used() == 0 and cache.sink_alloc.num_used() == 0
 
 
+def test_block_table_grows_by_columns_and_matches_the_rows():
+    """Sealing appends the new blocks' ids to the cached device table instead of rebuilding
+    it; after row operations it is rebuilt. Either way it equals the host's rows."""
+    cache = make()
+    k, v = random_kv(3, 2, 400, 64)
+    t = 0
+    for n in (40, 1, 30, 17, 1, 64, 100, 1):
+        step(cache, k[:, :, t : t + n], v[:, :, t : t + n])
+        t += n
+        before = cache._table_tensor
+        table = cache.block_table()
+        assert torch.equal(table.cpu(), torch.tensor(cache.tables.rows, dtype=torch.int32).reshape(3, cache.num_blocks))
+        assert table.dtype == torch.int32 and (before is None or before is table)
+        if n == 17:
+            cache.reorder(torch.tensor([2, 0, 1]))
+            assert torch.equal(cache.block_table(), torch.tensor(cache.tables.rows, dtype=torch.int32))
+
+
 def test_interrupted_step_is_rolled_back():
     cache = make(layers=3)
     k, v = random_kv(1, 2, 10, 64)

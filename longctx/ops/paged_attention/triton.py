@@ -415,20 +415,22 @@ def _decode_kernel(
             xv = tl.load(VC + row[:, None] * DV + offs_v[None, :], mask=vm, other=0)
             vs_off = row[:, None] * NG + tl.arange(0, NG)[None, :]
             # column i of every sub-tile is in group i // (GS // PV)
-            VT: tl.constexpr = tl.float16 if V16 else tl.float32
+            # V16 == 2: bf16 when the scales are bf16 and the codes < 128 (exact), saving their conversion
+            VT: tl.constexpr = (tl.bfloat16 if V16 == 2 and V_BITS <= 4 and VS.dtype.element_ty == tl.bfloat16
+                                else tl.float16 if V16 else tl.float32)
             vs = tl.reshape(tl.broadcast_to(tl.load(VS + vs_off, mask=vm, other=0.0).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
             vz = tl.reshape(tl.broadcast_to(tl.load(VZ + vs_off, mask=vm, other=0.0).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
-            if V16:  # fp16 codes, exact; one fp16 FMA per value
-                v0 = _f16(xv, 0, V_BITS, ASM) * vs + vz
+            if V16:  # 16-bit codes, exact; one 16-bit FMA per value
+                v0 = _codes16(xv, 0, V_BITS, ASM, VT) * vs + vz
                 v1 = v0
                 v2 = v0
                 v3 = v0
                 if PV > 1:
-                    v1 = _f16(xv, 1, V_BITS, ASM) * vs + vz
+                    v1 = _codes16(xv, 1, V_BITS, ASM, VT) * vs + vz
                 if PV > 2:
-                    v2 = _f16(xv, 2, V_BITS, ASM) * vs + vz
-                    v3 = _f16(xv, 3, V_BITS, ASM) * vs + vz
-                pv = p.to(tl.float16)
+                    v2 = _codes16(xv, 2, V_BITS, ASM, VT) * vs + vz
+                    v3 = _codes16(xv, 3, V_BITS, ASM, VT) * vs + vz
+                pv = p.to(VT)
             else:
                 v0 = (_f32(xv, 0, V_BITS) * vs + vz).to(DOT)
                 v1 = v0

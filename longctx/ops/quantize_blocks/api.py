@@ -11,12 +11,14 @@ from ...quant import BlockFormat
 from ..backend import resolve_backend
 
 
-def quantize_blocks(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, backend: str = "auto") -> dict[str, torch.Tensor]:
+def quantize_blocks(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, backend: str = "auto", checked: bool = False) -> dict[str, torch.Tensor]:
     """Quantize N full blocks.
 
     k, v: [N, H_kv, P, D] in fmt.dtype (P = fmt.block_size, D = fmt.head_dim).
     Returns the fields of `Pages` for these N blocks (k or k_codes/k_scale/k_zero, and the
-    same for v), ready to be written at the blocks' pool slots.
+    same for v), ready to be written at the blocks' pool slots. NaN or Inf input raises
+    ValueError; `checked=True` says the caller has already checked (the triton backend
+    then skips its own check, a host sync per call).
     """
     expected = (fmt.num_kv_heads, fmt.block_size, fmt.head_dim)
     for name, x in (("k", k), ("v", v)):
@@ -32,4 +34,4 @@ def quantize_blocks(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, backend:
         case "triton":
             from .triton import quantize_blocks_triton
 
-            return quantize_blocks_triton(k, v, fmt)
+            return quantize_blocks_triton(k, v, fmt, checked=checked)
