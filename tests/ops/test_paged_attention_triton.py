@@ -132,7 +132,7 @@ def test_triton_prefill_with_padding_or_lse_takes_the_reference_path():
     assert torch.allclose(out.cpu(), ref_out, atol=1e-5) and torch.allclose(lse.cpu(), ref_lse, atol=1e-5)
 
 
-@pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"k16": 3}, {"k16": 3, "pages": 1}, {"k16": 3, "v16": 2}, {"k16": 3, "v16": 2, "pages": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
+@pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"k16": 2}, {"k16": 3, "pages": 1}, {"k16": 3, "v16": 2}, {"k16": 3, "v16": 2, "pages": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
                                   {"merge": "launch"}, {"merge": "kernel"}],
                          ids=lambda t: "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in t.items()))
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))

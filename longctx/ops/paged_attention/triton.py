@@ -526,7 +526,10 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # less: ~20 us of host time per call); "launch" = a second, parallel merge kernel (~9 us less
 # GPU time at 128k, int4, H200); "auto" = "launch" while a CUDA graph is being captured (its
 # launches cost no host time on replay), else "kernel".
-TUNE = dict(num_warps=4, num_stages=2, programs_per_sm=8, k16=2, v16=True, pages=2, words=True, asm=True, merge="auto")
+# k16=3 (K dequantized in bf16/fp16 against a fixed query) over 2 (scales folded into the
+# query per page): int4 128k 0.1333 vs 0.1448 ms, 512k 0.4648 vs 0.5318 (H200, graph timing).
+# v16=2 (bf16 V) and pages=1 are options: pages=1 was faster at 128k (0.1294), slower at 512k.
+TUNE = dict(num_warps=4, num_stages=2, programs_per_sm=8, k16=3, v16=True, pages=2, words=True, asm=True, merge="auto")
 LAST: dict = {}  # the last compiled decode kernel launched (registers, spills: scripts/diag_speed.py)
 
 
