@@ -126,18 +126,19 @@ def seal(
     formats: str = typer.Option("int4", help="longctx formats"),
     block_size: int = typer.Option(64, help="tokens per page"),
 ) -> None:
-    """What appending and sealing add to a decode step (one layer, real cache).
+    """What sealing adds to a decode step (one layer, real cache), and what appending adds to attention.
 
     Example: longctx bench seal --context 128k --formats int4,int8
     """
     from ..bench import bench_seal
 
     rows = bench_seal(_sizes(context)[0], _names(formats), block_size=block_size)
-    table = Table(title="Decode step with append + sealing vs attention alone (per layer)")
-    for col in ("format", "context", "step ms", "attend ms", "overhead"):
+    table = Table(title=f"Decode step (one layer): append + attend, with one seal every {block_size} steps")
+    for col in ("format", "context", "attend ms", "step ms (no seal)", "step ms (sealing)", "sealing adds", "appending adds"):
         table.add_column(col, justify="left" if col == "format" else "right")
     for r in rows:
-        table.add_row(r.name, f"{r.context:,}", f"{r.step_ms:.4f}", f"{r.attend_ms:.4f}", f"{r.overhead_pct:+.1f} %")
+        table.add_row(r.name, f"{r.context:,}", f"{r.attend_ms:.4f}", f"{r.step_ms:.4f}", f"{r.sealing_step_ms:.4f}",
+                      f"{r.overhead_pct:+.1f} %", f"{r.append_pct:+.1f} %")
     Console().print(table)
 
 
