@@ -65,10 +65,12 @@ def _f16_1024(x, r: tl.constexpr, BITS: tl.constexpr):
 
 # ASM (GPU): two int16 code words per 32-bit register -> two fp16 codes of sub-tile r, exact:
 # int4 shifts nibble r of both words into place and ORs in fp16 1024 (one LOP3), int8
-# permutes byte r of both words next to a 0x64 byte; then one f16x2 subtract of 1024.
-def _asm_int4(r: int) -> str:
+# permutes byte r of both words next to a 0x64 byte; then one f16x2 subtract of 1024. bf16
+# int4 codes the same way around bf16 128 (0x4300).
+def _asm_int4(r: int, bf16: bool = False) -> str:
     shift = f"shr.b32 t, $1, {4 * r}; " if r else "mov.b32 t, $1; "
-    return "{ .reg .b32 t, k; " + shift + "lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea; mov.b32 k, 0x64006400; sub.f16x2 $0, t, k; }"
+    magic, sub = ("0x43004300", "sub.bf16x2") if bf16 else ("0x64006400", "sub.f16x2")
+    return "{ .reg .b32 t, k; " + shift + f"lop3.b32 t, t, 0x000F000F, {magic}, 0xea; mov.b32 k, {magic}; {sub} $0, t, k; }}"
 
 
 def _asm_int8(r: int) -> str:
@@ -76,52 +78,38 @@ def _asm_int8(r: int) -> str:
             + "; mov.b32 k, 0x64006400; sub.f16x2 $0, t, k; }")
 
 
-def _asm_int4_bf16(r: int) -> str:
-    shift = f"shr.b32 t, $1, {4 * r}; " if r else "mov.b32 t, $1; "
-    return "{ .reg .b32 t, k; " + shift + "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; mov.b32 k, 0x43004300; sub.bf16x2 $0, t, k; }"
-
-
 ASM_I4_0, ASM_I4_1, ASM_I4_2, ASM_I4_3 = (tl.constexpr(_asm_int4(r)) for r in range(4))
-ASM_B4_0, ASM_B4_1, ASM_B4_2, ASM_B4_3 = (tl.constexpr(_asm_int4_bf16(r)) for r in range(4))
+ASM_B4_0, ASM_B4_1, ASM_B4_2, ASM_B4_3 = (tl.constexpr(_asm_int4(r, bf16=True)) for r in range(4))
 ASM_I8_0, ASM_I8_1 = (tl.constexpr(_asm_int8(r)) for r in range(2))
 
 
 @triton.jit
-def _f16_asm(x, r: tl.constexpr, BITS: tl.constexpr):
-    """Sub-tile r of int16 code words (4 or 8 bits) as fp16 codes, exact, GPU only."""
+def _asm16(x, r: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
+    """Sub-tile r of int16 code words as DT codes, exact, GPU only: fp16 for 4 or 8 bits,
+    bf16 for 4 bits (its 7 mantissa bits hold 128 + c for c < 128 only)."""
     if BITS == 8:
         asm: tl.constexpr = ASM_I8_0 if r == 0 else ASM_I8_1
     elif r == 0:
-        asm: tl.constexpr = ASM_I4_0
+        asm: tl.constexpr = ASM_B4_0 if DT == tl.bfloat16 else ASM_I4_0
     elif r == 1:
-        asm: tl.constexpr = ASM_I4_1
+        asm: tl.constexpr = ASM_B4_1 if DT == tl.bfloat16 else ASM_I4_1
     elif r == 2:
-        asm: tl.constexpr = ASM_I4_2
+        asm: tl.constexpr = ASM_B4_2 if DT == tl.bfloat16 else ASM_I4_2
     else:
-        asm: tl.constexpr = ASM_I4_3
-    return tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+        asm: tl.constexpr = ASM_B4_3 if DT == tl.bfloat16 else ASM_I4_3
+    if DT == tl.bfloat16:
+        out = tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        out = tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+    return out
 
 
 @triton.jit
 def _f16(x, r: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """Sub-tile r as fp16 codes, exact: by inline PTX on int16 words, else 1024 + c - 1024."""
     if ASM and x.dtype == tl.int16:
-        return _f16_asm(x, r, BITS)
+        return _asm16(x, r, BITS, tl.float16)
     return (_f16_1024(x, r, BITS) - 1024.0).to(tl.float16)
-
-
-@triton.jit
-def _bf16_asm(x, r: tl.constexpr):
-    """Sub-tile r of int16 words of int4 codes as bf16 codes, exact (128 + c - 128), GPU only."""
-    if r == 0:
-        asm: tl.constexpr = ASM_B4_0
-    elif r == 1:
-        asm: tl.constexpr = ASM_B4_1
-    elif r == 2:
-        asm: tl.constexpr = ASM_B4_2
-    else:
-        asm: tl.constexpr = ASM_B4_3
-    return tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -130,7 +118,7 @@ def _codes16(x, r: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DT: tl.c
     if DT == tl.float16:
         return _f16(x, r, BITS, ASM)
     elif ASM and x.dtype == tl.int16 and BITS == 4:
-        return _bf16_asm(x, r)
+        return _asm16(x, r, BITS, tl.bfloat16)
     else:
         return (_code(x, r, BITS).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
 
