@@ -146,8 +146,8 @@ def _half(x, first: tl.constexpr):
 
 @triton.jit
 def _sub(x, r: tl.constexpr, PK: tl.constexpr, DK: tl.constexpr):
-    """Sub-tile r's channels (r, r + PK, r + 2 PK, ...) of a [D] vector loaded whole: one
-    contiguous load (which the pipeliner can copy asynchronously), split in registers."""
+    """Sub-tile r's channels (r, r + PK, r + 2 PK, ...) of a [D] vector loaded whole (one
+    contiguous load instead of PK strided ones), split in registers."""
     if PK == 1:
         return x
     elif PK == 2:
@@ -206,8 +206,8 @@ def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, q
                  DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr):
     """Base-2 scores [G_PAD, P] of the n-th page of a loop step (pool row bh = block * H +
     head; its loads are skipped when n >= left, the pages left in the split). Quantized K:
-    K16 == 3 dequantizes sub-tile r in fp16 (codes * s + z, one FMA per two values) and dots
-    it with the fixed fp16 query qp_r; 0-2 fold the per-channel scales into the query
+    K16 == 3 dequantizes sub-tile r in the scales' 16-bit dtype (codes * s + z, one FMA per
+    two values) and dots it with the fixed 16-bit query qp_r; 0-2 fold the per-channel scales into the query
     instead, (q*s)_r . codes_r (0: fp32 codes through DOT; 1: fp16 1024 + code, subtracting
     1024 * the sum of the rounded q*s the dots saw; 2: fp16 codes), then add q . z."""
     pm = (offs_p[:, None] * 0 + n) < left  # tensor masks: the interpreter takes no scalar bool
