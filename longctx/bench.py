@@ -125,18 +125,7 @@ def _time_graph(fn, copies: int, reps: int) -> float:
     with torch.cuda.graph(g):
         for i in range(copies):
             fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / copies)
-    ts.sort()
-    return ts[len(ts) // 2]
+    return _time(lambda _: g.replay(), 1, reps) / copies
 
 
 def _copies(bytes_per_copy: int, target: int = 3 * 1024**3) -> int:

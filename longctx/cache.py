@@ -32,10 +32,10 @@ from .quant import BlockFormat
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _index(values, device) -> torch.Tensor:
-    """int64 indices on `device` without a host sync: built on the host, copied from pinned
-    memory asynchronously (a plain torch.tensor(..., device=cuda) waits for the stream)."""
-    t = torch.tensor(values, dtype=torch.int64)
+def _index(values, device, dtype=torch.int64) -> torch.Tensor:
+    """Indices on `device` without a host sync: built on the host, copied from pinned memory
+    asynchronously (a plain torch.tensor(..., device=cuda) waits for the stream)."""
+    t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -338,7 +338,7 @@ class PagedKVCache:
         self.seals += n_sink_new + n_quant_new
         old, self._table_tensor = self._table_tensor, None
         if old is not None and tuple(old.shape) == (len(self.tables.rows), nb0):  # append the n new columns
-            new = _index([row[nb0:] for row in self.tables.rows], self.device).to(torch.int32).reshape(len(self.tables.rows), n)
+            new = _index([row[nb0:] for row in self.tables.rows], self.device, torch.int32).reshape(len(self.tables.rows), n)
             self._table_tensor = torch.cat([old, new], 1)
         return n
 
@@ -347,7 +347,7 @@ class PagedKVCache:
         """int32 [B, n_blocks]: logical block -> physical id (sink ids for j < sink_blocks)."""
         if self._table_tensor is None:
             rows = self.tables.rows
-            self._table_tensor = _index(rows, self.device).to(torch.int32).reshape(len(rows), self.num_blocks)
+            self._table_tensor = _index(rows, self.device, torch.int32).reshape(len(rows), self.num_blocks)
         return self._table_tensor
 
     def view(self, layer: int) -> PagedView:
