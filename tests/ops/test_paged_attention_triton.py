@@ -164,6 +164,19 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}])
+def test_unknown_kernel_options_are_refused(tune, monkeypatch):
+    """A typo in TUNE must not silently run another code path."""
+    from longctx.ops.paged_attention import triton as kernel
+
+    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, **tune})
+    cfg = KVConfig(bits=4, block_size=16)
+    cache, _, _ = fill(cfg, 1, 40, 1, 2, 64, dtype=torch.float16)
+    q = torch.randn(1, 4, 1, 64).half().to(DEVICE)
+    with pytest.raises(ValueError, match="TUNE"):
+        paged_decode_triton(q, _to(cache.view(0), DEVICE), None, 64**-0.5)
+
+
 def test_merge_option():
     from longctx.ops.paged_attention.triton import _merge_in_kernel
 

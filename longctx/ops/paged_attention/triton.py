@@ -620,6 +620,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     KD, VD, KC, KS, KZ, VC, VS, VZ = kernel_pools(view, "paged_decode_triton", lambda c, bits: _words(c, bits, words))
     dot = tl.float16 if q.dtype == torch.float16 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32)
     half = dot != tl.float32
+    if TUNE["k16"] not in (0, 1, 2, 3) or TUNE["v16"] not in (0, 1, 2):
+        raise ValueError(f"TUNE['k16'] must be 0-3 and TUNE['v16'] 0-2 (False/True count as 0/1), got {TUNE['k16']!r}, {TUNE['v16']!r}")
     k16 = TUNE["k16"] if half else 0
     if k16 == 3 and (KS.dtype not in (torch.float16, torch.bfloat16) or (KS.dtype == torch.bfloat16 and fmt.k_bits == 8)):
         k16 = 2  # K dequantizes in its scales' 16-bit dtype; bf16 holds codes < 128 exactly, not int8's
