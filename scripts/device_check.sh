@@ -3,6 +3,7 @@
 # important first. One call runs at most 10 minutes, so name the stages each call runs:
 #   bash scripts/device_check.sh tests host decode_graph      # ~7 min
 #   bash scripts/device_check.sh decode e2e seal               # ~8 min
+#   bash scripts/device_check.sh prof                          # ncu of the decode kernel
 #   bash scripts/device_check.sh greedy                        # see the greedy stage below
 #   bash scripts/device_check.sh                               # every stage (too long for one call)
 #   TESTS="tests/ops/test_gather_dequant_triton.py" bash scripts/device_check.sh tests
@@ -18,15 +19,29 @@ stage() { local name=$1 limit=$2; shift 2; want_stage "$name" || return 0; echo 
 # shellcheck disable=SC2086
 TAIL=4 stage tests 330 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/ops tests/test_cuda.py tests/test_transformers.py}
 TAIL=8 stage host 40 python3 scripts/diag_host.py
-TAIL=16 stage decode_graph 150 python3 -m longctx bench decode --graph --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode_graph.json"
+TAIL=16 stage decode_graph 200 python3 -m longctx bench decode --graph --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode_graph.json"
 stage decode 200 python3 -m longctx bench decode --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode.json"
 TAIL=14 stage e2e 220 python3 -m longctx bench e2e --context 128k --formats int4 --json "$OUT/e2e.json"
 TAIL=12 stage seal 45 python3 -m longctx bench seal --context 128k --formats int4,int8
 TAIL=12 stage prefill 45 python3 -m longctx bench prefill --contexts 32k,128k --json "$OUT/prefill.json"
-TAIL=12 stage decode_b8 60 python3 -m longctx bench decode --graph --contexts 32k --batch 8 --formats int4,int8,bf16 --json "$OUT/decode_b8.json"
+TAIL=12 stage decode_b8 90 python3 -m longctx bench decode --graph --contexts 32k --batch 8 --formats int4,int8,bf16 --json "$OUT/decode_b8.json"
 TAIL=12 stage decode_p128 45 python3 -m longctx bench decode --contexts 128k,512k --batch 1 --formats int4 --block-size 128 --no-peers
-TAIL=60 stage sweep 240 python3 scripts/diag_speed.py "$OUT/diag_speed.json"
+TAIL=60 stage sweep 300 python3 scripts/diag_speed.py "$OUT/diag_speed.json"
 TAIL=70 stage diag_seal 120 python3 scripts/diag_seal.py int4
+TAIL=40 stage diag_model 120 python3 scripts/diag_model.py
+# prof: Nsight Compute on the decode kernel (int4, 128k and 4k, batch 1): the details page
+# and per-SASS-instruction samples (stall reasons) as text in $OUT (scripts/prof_decode.py).
+if want_stage prof; then
+  for c in "int4 131072 1 p128k" "int4 4096 1 p4k"; do
+    set -- $c
+    echo "== prof $1 $2 $3"
+    timeout 150 ncu --clock-control none -k regex:_decode_kernel --launch-skip 3 --launch-count 1 --set full --import-source no \
+      -f -o /tmp/$4 python3 scripts/prof_decode.py $1 $2 $3 > "$OUT/$4.run.log" 2>&1; echo "(exit $?)"; tail -3 "$OUT/$4.run.log"
+    ncu -i /tmp/$4.ncu-rep --page details > "$OUT/$4.details.txt" 2>&1
+    ncu -i /tmp/$4.ncu-rep --page source --csv --print-source sass > "$OUT/$4.sass.csv" 2>&1
+    grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|Warp Cycles Per Issued|Issue Slots Busy|No Eligible" "$OUT/$4.details.txt" | head -20
+  done
+fi
 # greedy: the embedded model's GGUF (98 MB) is over one call's 64 MiB, so it travels in two
 # halves (.gguf/part_a, .gguf/part_b: ignored) in two calls inside the machine's warm window.
 # A call removes earlier carried paths it does not name, so the first call (carry

@@ -41,7 +41,7 @@ def compile_decode(a):
     G = a.q_heads // a.kv_heads
     gm = triton.next_power_of_2(G)
     const = dict(H=a.kv_heads, G=G, G_PAD=max(16, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.bits, GS=a.group_size,
-                 ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, PAGES=a.pages,
+                 ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)))
     nospec = {names[i] if isinstance(i, int) else i for i in (getattr(fn, "do_not_specialize", None) or ())}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.isupper() else "fp32" if n == "scale" else "i32" for n in names}

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from longctx import KVConfig  # noqa: E402
 from longctx.ops.paged_attention import paged_attention  # noqa: E402
-from longctx.ops.paged_attention.triton import num_splits, paged_decode_triton  # noqa: E402
+from longctx.ops.paged_attention.triton import TUNE, num_splits, paged_decode_triton  # noqa: E402
 from longctx.testing import attention_fp64, expected_dense  # noqa: E402
 
 from .test_paged_attention import fill  # noqa: E402
@@ -88,10 +88,12 @@ def test_dispatch_and_padding_query():
 
 
 def test_num_splits():
-    assert num_splits(1, 8, 2048, 132) == 132  # long context: ~8 programs per SM
-    assert num_splits(8, 8, 512, 132) == 17
-    assert num_splits(1, 8, 4, 132) == 4  # never more splits than blocks
-    assert num_splits(256, 8, 8000, 132) == 1  # big batch: one program per row and head
+    assert num_splits(1, 8, 2048, 132, 4) == 66  # long context: one whole wave, 4 programs per SM
+    assert num_splits(8, 8, 512, 132, 4) == 8  # 512 programs of 528 slots, not 9 splits (576: a second wave)
+    assert num_splits(1, 8, 2048, 132, 8) == 132
+    assert num_splits(1, 8, 4, 132, 4) == 4  # never more splits than blocks
+    assert num_splits(256, 8, 8000, 132, 4) == 1  # big batch: one program per row and head
+    assert num_splits(1, 8, 2048, 132) == num_splits(1, 8, 2048, 132, TUNE["programs_per_sm"])
 
 
 # Prefill chunks (C > 1) on the triton backend: gather_dequant kernel into one staging

@@ -136,24 +136,27 @@ def _pick(x0, x1, x2, x3, r: tl.constexpr):
 
 
 @triton.jit
-def _half(x, first: tl.constexpr):
-    a, b = tl.split(x)
-    if first:
-        return a
-    else:
-        return b
+def _step_ids(trow, j, j1, PAGES: tl.constexpr):
+    """Block ids of the PAGES pages of the loop step at logical block j of a split whose
+    sealed blocks end at j1: ids at or past j1 repeat a valid one (the table has at least one
+    column), whose scores are masked. No load mask: the interpreter takes no scalar bool."""
+    last = j1 - 1
+    i0 = tl.load(trow + tl.maximum(tl.minimum(j, last), 0))
+    i1 = i0
+    i2 = i0
+    i3 = i0
+    if PAGES > 1:
+        i1 = tl.load(trow + tl.maximum(tl.minimum(j + 1, last), 0))
+    if PAGES > 2:
+        i2 = tl.load(trow + tl.maximum(tl.minimum(j + 2, last), 0))
+        i3 = tl.load(trow + tl.maximum(tl.minimum(j + 3, last), 0))
+    return i0, i1, i2, i3
 
 
 @triton.jit
-def _sub(x, r: tl.constexpr, PK: tl.constexpr, DK: tl.constexpr):
-    """Sub-tile r's channels (r, r + PK, r + 2 PK, ...) of a [D] vector loaded whole (one
-    contiguous load instead of PK strided ones), split in registers."""
-    if PK == 1:
-        return x
-    elif PK == 2:
-        return _half(tl.reshape(x, (DK, 2)), r == 0)
-    else:  # [DK, 2, 2]: channel 4i + r at [i, r // 2, r % 2]
-        return _half(_half(tl.reshape(x, (DK, 2, 2)), r % 2 == 0), r < 2)
+def _half16(w, r: tl.constexpr, DT: tl.constexpr):
+    """The r-th 16-bit value (from the low end) of integer words w, as the 16-bit float DT."""
+    return (w >> (16 * r)).to(tl.int16).to(DT, bitcast=True)
 
 
 @triton.jit
@@ -203,42 +206,57 @@ def _store(O, off, a0, a1, a2, a3, inv, om, PV: tl.constexpr):
 @triton.jit
 def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
                  D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr, K_BITS: tl.constexpr,
-                 DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr):
+                 DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr):
     """Base-2 scores [G_PAD, P] of the n-th page of a loop step (pool row bh = block * H +
     head; its loads are skipped when n >= left, the pages left in the split). Quantized K:
-    K16 == 3 dequantizes sub-tile r in the scales' 16-bit dtype (codes * s + z, one FMA per
-    two values) and dots it with the fixed 16-bit query qp_r; 0-2 fold the per-channel scales into the query
+    K16 == 3 dequantizes sub-tile r in KDT (fp16, or bf16 for codes < 128 with bf16 scales:
+    codes * s + z, one FMA per two values) and dots it with the fixed KDT query qp_r; 0-2 fold the per-channel scales into the query
     instead, (q*s)_r . codes_r (0: fp32 codes through DOT; 1: fp16 1024 + code, subtracting
     1024 * the sum of the rounded q*s the dots saw; 2: fp16 codes), then add q . z."""
     pm = (offs_p[:, None] * 0 + n) < left  # tensor masks: the interpreter takes no scalar bool
-    cm = (offs_d * 0 + n) < left
     s = tl.zeros((qp.shape[0], P), tl.float32)
     if K_BITS == 16:  # (one return at the end: an early return in a branch miscompiled on the GPU)
         k = tl.load(KD + bh * P * D + offs_p[:, None] * D + offs_d[None, :], mask=pm, other=0.0)
         s = tl.dot(qp.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
-    elif K16 == 3:
-        xk = tl.load(KC + bh * P * DK + offs_p[:, None] * DK + offs_k[None, :], mask=pm, other=0)
-        ks = tl.load(KS + bh * D + offs_d, mask=cm, other=0.0)
-        kz = tl.load(KZ + bh * D + offs_d, mask=cm, other=0.0)
-        for r in tl.static_range(PK):
-            k = _codes16(xk, r, K_BITS, ASM, ks.dtype) * _sub(ks, r, PK, DK)[None, :] + _sub(kz, r, PK, DK)[None, :]
-            s += tl.dot(_pick(qp0, qp1, qp2, qp3, r), tl.trans(k))
     else:
         xk = tl.load(KC + bh * P * DK + offs_p[:, None] * DK + offs_k[None, :], mask=pm, other=0)
-        ksb = KS + bh * D + PK * offs_k
+        km = (offs_k * 0 + n) < left
+        # 16-bit scales and zeros load as words of PK values (channels PK*i .. PK*i + PK - 1):
+        # 4- or 8-byte loads the pipeliner prefetches (2-byte loads it left in the loop, where
+        # their latency was the kernel's largest stall), split into sub-tiles by shifts
+        DT: tl.constexpr = KS.dtype.element_ty
+        W16: tl.constexpr = DT.primitive_bitwidth == 16
+        WT: tl.constexpr = tl.int16 if PK == 1 else (tl.int32 if PK == 2 else tl.int64)
+        ksw = xk
+        kzw = xk
+        if W16:
+            ksw = tl.load(KS.to(tl.pointer_type(WT)) + bh * DK + offs_k, mask=km, other=0)
+            kzw = tl.load(KZ.to(tl.pointer_type(WT)) + bh * DK + offs_k, mask=km, other=0)
         off = tl.zeros((qp.shape[0],), tl.float32)  # sum of the fp16 (q*s) the dots saw (K16 == 1)
+        zq = tl.zeros((qp.shape[0],), tl.float32)  # q . z (K16 < 3)
         for r in tl.static_range(PK):
-            qs = _pick(qp0, qp1, qp2, qp3, r) * tl.load(ksb + r, mask=(offs_k * 0 + n) < left, other=0.0).to(tl.float32)[None, :]
-            if K16 == 1:
-                qs = qs.to(tl.float16)
-                s += tl.dot(qs, tl.trans(_f16_1024(xk, r, K_BITS)))
-                off += tl.sum(qs.to(tl.float32), 1)
-            elif K16 == 2:
-                s += tl.dot(qs.to(tl.float16), tl.trans(_f16(xk, r, K_BITS, ASM)))
+            qr = _pick(qp0, qp1, qp2, qp3, r)
+            if W16:
+                sr = _half16(ksw, r, DT)
+                zr = _half16(kzw, r, DT)
             else:
-                s += tl.dot(qs.to(DOT), tl.trans(_f32(xk, r, K_BITS).to(DOT)), input_precision=PREC)
-        kz = tl.load(KZ + bh * D + offs_d, mask=cm, other=0.0).to(tl.float32)
-        s += tl.sum(qp * kz[None, :], 1)[:, None] - 1024.0 * off[:, None]
+                sr = tl.load(KS + bh * D + PK * offs_k + r, mask=km, other=0.0)
+                zr = tl.load(KZ + bh * D + PK * offs_k + r, mask=km, other=0.0)
+            if K16 == 3:  # K dequantized in KDT against the fixed KDT query
+                s += tl.dot(qr, tl.trans(_codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[None, :] + zr.to(KDT)[None, :]))
+            else:  # scales folded into the fp32 query
+                qs = qr * sr.to(tl.float32)[None, :]
+                zq += tl.sum(qr * zr.to(tl.float32)[None, :], 1)
+                if K16 == 1:
+                    qs = qs.to(tl.float16)
+                    s += tl.dot(qs, tl.trans(_f16_1024(xk, r, K_BITS)))
+                    off += tl.sum(qs.to(tl.float32), 1)
+                elif K16 == 2:
+                    s += tl.dot(qs.to(tl.float16), tl.trans(_f16(xk, r, K_BITS, ASM)))
+                else:
+                    s += tl.dot(qs.to(DOT), tl.trans(_f32(xk, r, K_BITS).to(DOT)), input_precision=PREC)
+        if K16 != 3:
+            s += zq[:, None] - 1024.0 * off[:, None]
     return s
 
 
@@ -253,7 +271,7 @@ def _decode_kernel(
     n_blocks, n_sink, tail_len, blocks_per_split, scale, n_splits,
     H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
-    HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr,
+    HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
@@ -291,11 +309,11 @@ def _decode_kernel(
     if PK > 2:
         qp2 = _load_q(QP, qbase, offs_g, gmask, 2, PK, DK, stride_qh, scale)
         qp3 = _load_q(QP, qbase, offs_g, gmask, 3, PK, DK, stride_qh, scale)
-    if K16 == 3:  # fixed 16-bit queries for K dequantized in the scales' dtype
-        qp0 = qp0.to(KS.dtype.element_ty)
-        qp1 = qp1.to(KS.dtype.element_ty)
-        qp2 = qp2.to(KS.dtype.element_ty)
-        qp3 = qp3.to(KS.dtype.element_ty)
+    if K16 == 3:  # fixed 16-bit queries for K dequantized in KDT
+        qp0 = qp0.to(KDT)
+        qp1 = qp1.to(KDT)
+        qp2 = qp2.to(KDT)
+        qp3 = qp3.to(KDT)
     start = 0
     if HAS_START:
         start = tl.load(START + b)
@@ -365,23 +383,24 @@ def _decode_kernel(
     j0 = tl.maximum(lo, n_sink)
     j1 = tl.minimum(hi, n_blocks)
     trow = TABLE + b * stride_tb
+    # block ids a step ahead (loop-carried): the pipeliner then issues a step's page loads
+    # without first waiting for its table loads
+    n0, n1, n2, n3 = _step_ids(trow, j0, j1, PAGES)
     for j in range(j0, j1, PAGES):
-        blk0 = tl.load(trow + j).to(tl.int64)
+        blk0, blk1, blk2, blk3 = n0.to(tl.int64), n1.to(tl.int64), n2.to(tl.int64), n3.to(tl.int64)
+        n0, n1, n2, n3 = _step_ids(trow, j + PAGES, j1, PAGES)
         s = _page_scores(KD, KC, KS, KZ, blk0 * H + h, 0, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
-                         D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM)
+                         D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
         bt = tl.full((T,), 0, tl.int64) + blk0
         if PAGES > 1:
-            blk1 = tl.load(trow + tl.minimum(j + 1, j1 - 1)).to(tl.int64)  # past j1: a valid id, unused
             s1 = _page_scores(KD, KC, KS, KZ, blk1 * H + h, 1, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
-                              D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM)
+                              D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
             bt = tl.where(n_t == 1, blk1, bt)
             if PAGES > 2:
-                blk2 = tl.load(trow + tl.minimum(j + 2, j1 - 1)).to(tl.int64)  # past j1: a valid id, unused
-                blk3 = tl.load(trow + tl.minimum(j + 3, j1 - 1)).to(tl.int64)  # past j1: a valid id, unused
                 s2 = _page_scores(KD, KC, KS, KZ, blk2 * H + h, 2, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
-                                  D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM)
+                                  D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
                 s3 = _page_scores(KD, KC, KS, KZ, blk3 * H + h, 3, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
-                                  D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM)
+                                  D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
                 bt = tl.where(n_t == 2, blk2, tl.where(n_t == 3, blk3, bt))
                 s = tl.reshape(tl.join(tl.join(s, s2), tl.join(s1, s3)), (G_PAD, T))  # t % 4 == page
             else:
@@ -516,17 +535,24 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # launches cost no host time on replay), else "kernel".
 # k16=3 (K dequantized in bf16/fp16 against a fixed query) over 2 (scales folded into the
 # query per page): int4 128k 0.1333 vs 0.1448 ms, 512k 0.4648 vs 0.5318 (H200, graph timing).
-# v16=2 (bf16 V) and pages=1 are options: pages=1 was faster at 128k (0.1294), slower at 512k.
-TUNE = dict(num_warps=4, num_stages=2, programs_per_sm=8, k16=3, v16=True, pages=2, words=True, asm=True, merge="auto")
+# One page a step with three pipeline stages, 4 programs per SM (128 registers: one wave),
+# over two pages and two stages at 8 per SM, once K's scales loaded as prefetchable words:
+# int4 128k 0.1080 vs 0.1248 ms, 512k 0.3827 vs 0.4401 (H200, graph timing, notes v8).
+# 16-bit pages keep what met their target (0.1394 ms at 128k): two stages, 8 programs per SM
+# (stages16, programs16); with 3 stages and 4 per SM they ran 0.1462 ms, with 2 and 4 0.1602.
+TUNE = dict(num_warps=4, num_stages=3, programs_per_sm=4, stages16=2, programs16=8, k16=3, v16=True, pages=1, words=True, asm=True,
+            merge="auto")
 LAST: dict = {}  # the last compiled decode kernel launched (registers, spills: scripts/diag_speed.py)
 
 
 def num_splits(batch: int, kv_heads: int, total_blocks: int, sm_count: int, programs_per_sm: int | None = None) -> int:
-    """Splits of the KV length so that about `programs_per_sm` programs per SM keep enough
-    loads in flight; short contexts and big batches get one program per (row, head), whose
-    output needs no merge."""
-    target = (programs_per_sm or TUNE["programs_per_sm"]) * sm_count
-    per_row_head = max(1, math.ceil(target / max(1, batch * kv_heads)))
+    """Splits of the KV length so that the (row, KV head, split) programs fill `programs_per_sm`
+    per SM (what fits at once: 4 at the default's 128 registers) in one whole wave, rounding
+    down: a second, nearly empty wave doubled the time (batch 8 at 32k: 9 splits ran 0.279 ms,
+    8 by the same rule would leave 3 % of the slots idle). Short contexts and big batches get
+    one program per (row, head), whose output needs no merge."""
+    slots = (programs_per_sm or TUNE["programs_per_sm"]) * sm_count
+    per_row_head = max(1, slots // max(1, batch * kv_heads))
     return max(1, min(per_row_head, total_blocks, 256))
 
 
@@ -603,7 +629,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     total = n_blocks + (tail_len + P - 1) // P
     if splits is None:
         sm = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 4
-        splits = num_splits(B, H, total, sm)
+        splits = num_splits(B, H, total, sm, TUNE["programs16"] if fmt.k_bits == 16 and fmt.v_bits == 16 else None)
     pages_per_step = _pages_per_step(fmt)
     bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
     splits = max(1, math.ceil(total / bps))
@@ -623,11 +649,15 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     if TUNE["k16"] not in (0, 1, 2, 3) or TUNE["v16"] not in (0, 1, 2):
         raise ValueError(f"TUNE['k16'] must be 0-3 and TUNE['v16'] 0-2 (False/True count as 0/1), got {TUNE['k16']!r}, {TUNE['v16']!r}")
     k16 = TUNE["k16"] if half else 0
-    if k16 == 3 and (KS.dtype not in (torch.float16, torch.bfloat16) or (KS.dtype == torch.bfloat16 and fmt.k_bits == 8)):
-        k16 = 2  # K dequantizes in its scales' 16-bit dtype; bf16 holds codes < 128 exactly, not int8's
+    if k16 == 3 and KS.dtype not in (torch.float16, torch.bfloat16):
+        k16 = 2  # K dequantizes in 16 bits from 16-bit scales
+    # bf16 holds 128 + c exactly for codes c < 128 (int4, int2), not int8's: int8 K dequantizes
+    # in fp16 (bf16 scales of K convert exactly unless outside fp16's range, |s| > 65504)
+    kdt = tl.bfloat16 if KS.dtype == torch.bfloat16 and fmt.k_bits <= 4 else tl.float16
     opts = dict(num_warps=TUNE["num_warps"])
-    if TUNE["num_stages"] is not None:
-        opts["num_stages"] = TUNE["num_stages"]
+    stages = TUNE["stages16"] if fmt.k_bits == 16 and fmt.v_bits == 16 else TUNE["num_stages"]
+    if stages is not None:
+        opts["num_stages"] = stages
     LAST["kernel"] = _decode_kernel[(B * H, splits)](
         q2, qr, table, start if start is not None else table,
         view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
@@ -637,7 +667,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, P=P,
         K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate,
         HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
-        K16=k16, V16=half and TUNE["v16"], PAGES=pages_per_step,
+        K16=k16, V16=half and TUNE["v16"], KDT=kdt, PAGES=pages_per_step,
         WORDS=words, ASM=TUNE["asm"] and q.is_cuda and not _interpreting(),
         MERGE=merge, GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts,
     )
