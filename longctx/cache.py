@@ -26,7 +26,7 @@ from .memory import MemoryReport, memory_report
 from .ops.gather_dequant import gather_dequant
 from .ops.paged_attention import paged_attention
 from .ops.pages import Pages, PagedView
-from .ops.quantize_blocks import quantize_blocks
+from .ops.quantize_blocks import quantize_blocks_into
 from .quant import BlockFormat
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -288,8 +288,8 @@ class PagedKVCache:
                 f"are free; {max(0, avail // max(1, self.batch_size)) * P} more tokens per row fit. Nothing was lost.",
                 max(0, avail // max(1, self.batch_size)) * P,
             )
-        # 2. Compute every layer's sealed data before changing any state (a NaN raises here:
-        # one check of all layers' new blocks, one host sync per seal).
+        # 2. Check every layer's new blocks before changing any state (a NaN raises here: one
+        # check of all layers' new blocks, one host sync per seal).
         rep_rows = [[g[0] for g in groups] for groups in plan]
         sink_sel = [(j, r) for j, reps in enumerate(rep_rows) if nb0 + j < self.config.sink_blocks for r in reps]
         quant_sel = [(j, r) for j, reps in enumerate(rep_rows) if nb0 + j >= self.config.sink_blocks for r in reps]
@@ -297,18 +297,21 @@ class PagedKVCache:
         blocks_v = self.tail_v[:, :, :, : n * P].unflatten(3, (n, P))
         if not bool(torch.isfinite(blocks_k).all() & torch.isfinite(blocks_v).all()):
             raise ValueError("cannot seal keys/values: some are NaN or Inf; the model produced non-finite values, nothing was sealed")
-        sealed = []
-        if quant_sel:
-            js = _index([j for j, _ in quant_sel], self.device)
-            rs = _index([r for _, r in quant_sel], self.device)
-            for l, fmt in enumerate(self.formats):
-                k = blocks_k[l][rs, :, js]  # [M, H, P, D]
-                v = blocks_v[l][rs, :, js]
-                sealed.append(quantize_blocks(k, v, fmt, backend=self.config.backend, checked=True))
-        # 3. Commit: ids, tables, pools, tails.
+        # 3. Quantize every layer's new blocks straight into the pools at newly allocated
+        # slots; the tables do not reference them yet, so a failure here frees the slots and
+        # leaves the cache as it was.
         sink_ids = self.sink_alloc.allocate(n_sink_new)
         quant_ids = self.block_alloc.allocate(n_quant_new)
-        self._grow_pools()
+        try:
+            self._grow_pools()
+            if quant_sel:
+                self._quantize_into(quant_sel, quant_ids, blocks_k, blocks_v)
+        except BaseException:
+            for alloc, new_ids in ((self.sink_alloc, sink_ids), (self.block_alloc, quant_ids)):
+                for bid in new_ids:
+                    alloc.decref(bid)
+            raise
+        # 4. Commit: tables, sinks, tails.
         si = qi = 0
         for j, groups in enumerate(plan):
             if nb0 + j < self.config.sink_blocks:
@@ -325,11 +328,6 @@ class PagedKVCache:
             # [L, B, H, n, P, D] -> [B, n, L, H, P, D] -> picked [M, L, H, P, D] -> [L, M, H, P, D]
             self.sink_k[:, ids] = blocks_k.permute(1, 3, 0, 2, 4, 5)[rs, js].transpose(0, 1)
             self.sink_v[:, ids] = blocks_v.permute(1, 3, 0, 2, 4, 5)[rs, js].transpose(0, 1)
-        if quant_sel:
-            ids = _index(quant_ids, self.device)
-            for pages, data in zip(self.pages, sealed):
-                for name, t in data.items():
-                    getattr(pages, name)[ids] = t
         rest = T0 - n * P
         if rest:
             self.tail_k[:, :, :, :rest] = self.tail_k[:, :, :, n * P : T0].clone()
@@ -341,6 +339,20 @@ class PagedKVCache:
             new = _index([row[nb0:] for row in self.tables.rows], self.device, torch.int32).reshape(len(self.tables.rows), n)
             self._table_tensor = torch.cat([old, new], 1)
         return n
+
+    def _quantize_into(self, sel: list[tuple[int, int]], ids: list[int], blocks_k: torch.Tensor, blocks_v: torch.Tensor) -> None:
+        """Quantize the tail blocks sel = [(logical block j, row r)] of every layer into the
+        pools at slots ids (one launch per layer on the triton backend)."""
+        slots = _index(ids, self.device)
+        if len(sel) == 1:  # the decode step's case: one block, read in place from the tail
+            (j, r), = sel
+            pick = lambda blocks: blocks[r, :, j].unsqueeze(0)  # noqa: E731 - [1, H, P, D]
+        else:
+            js = _index([j for j, _ in sel], self.device)
+            rs = _index([r for _, r in sel], self.device)
+            pick = lambda blocks: blocks[rs, :, js]  # noqa: E731 - [M, H, P, D]
+        for l, pages in enumerate(self.pages):
+            quantize_blocks_into(pages, slots, pick(blocks_k[l]), pick(blocks_v[l]), backend=self.config.backend, checked=True)
 
     # ------------------------------------------------------------------ read
     def block_table(self) -> torch.Tensor:

@@ -153,6 +153,38 @@ def test_nan_raises_and_seals_nothing():
     assert cache.num_blocks == 0 and cache.block_alloc.num_used() == 0 and cache.sink_alloc.num_used() == 0
 
 
+def test_a_failing_seal_frees_its_slots_and_changes_nothing(monkeypatch):
+    """Blocks are quantized straight into new pool slots before any table references them:
+    if that fails (a kernel error, out of memory), the slots are freed and the cache reads as
+    before; the next step seals normally."""
+    import longctx.cache as cache_module
+
+    cache = make()
+    k, v = random_kv(1, 2, 80, 64)
+    step(cache, k[:, :, :40], v[:, :, :40])
+    step(cache, k[:, :, 40:41], v[:, :, 40:41])  # seals blocks 0 (sink) and 1
+    before = (cache.num_blocks, cache.block_alloc.num_used(), cache.sink_alloc.num_used())
+    k_before, _ = cache.dense(0)
+    real = cache_module.quantize_blocks_into
+
+    def broken(*a, **kw):
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(cache_module, "quantize_blocks_into", broken)
+    step(cache, k[:, :, 41:64], v[:, :, 41:64])  # the tail holds 32 tokens: blocks 2 and 3 are full
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        cache.seal()
+    assert (cache.num_blocks, cache.block_alloc.num_used(), cache.sink_alloc.num_used()) == before
+    assert cache.tail_len == [32, 32]
+    monkeypatch.setattr(cache_module, "quantize_blocks_into", real)
+    step(cache, k[:, :, 64:65], v[:, :, 64:65])
+    assert cache.num_blocks == 4 and cache.block_alloc.num_used() == 3 and cache.tail_len == [1, 1]
+    dk, dv = cache.dense(0)
+    ek, ev = expected_dense(k[:, :, :65], v[:, :, :65], cache.config, sealed_tokens=64)
+    assert torch.equal(dk, ek) and torch.equal(dv, ev)
+    assert torch.equal(dk[:, :, :32], k_before[:, :, :32])  # the blocks sealed before the failure
+
+
 def test_block_table_grows_by_columns_and_matches_the_rows():
     """Sealing appends the new blocks' ids to the cached device table instead of rebuilding
     it; after row operations it is rebuilt. Either way it equals the host's rows."""

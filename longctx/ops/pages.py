@@ -73,6 +73,15 @@ class PagedView:
 _PLACEHOLDERS: dict = {}
 
 
+def placeholders(device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-element (uint8, dtype) zeros on `device`, made once: the pointers a kernel takes for
+    a layout it does not use (a new pair per call would cost two fill launches)."""
+    key = (device, dtype)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = (torch.zeros(1, dtype=torch.uint8, device=device), torch.zeros(1, dtype=dtype, device=device))
+    return _PLACEHOLDERS[key]
+
+
 def kernel_pools(view: PagedView, who: str, code_view=None) -> tuple[torch.Tensor, ...]:
     """The pool tensors a Triton kernel over `view` takes, in its argument order: (k, v,
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero). A kernel takes pointers for both
@@ -80,10 +89,7 @@ def kernel_pools(view: PagedView, who: str, code_view=None) -> tuple[torch.Tenso
     Sinks and pools must be contiguous (the kernels derive their strides): else ValueError
     naming `who`. code_view(codes, bits) may re-type the codes (e.g. as int16 words)."""
     pages, fmt = view.pages, view.pages.fmt
-    key = (view.sink_k.device, view.sink_k.dtype)
-    if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = (torch.zeros(1, dtype=torch.uint8, device=key[0]), torch.zeros(1, dtype=key[1], device=key[0]))
-    u8, f = _PLACEHOLDERS[key]
+    u8, f = placeholders(view.sink_k.device, view.sink_k.dtype)
     k = pages.k if fmt.k_bits == 16 else f
     v = pages.v if fmt.v_bits == 16 else f
     kq = (pages.k_codes, pages.k_scale, pages.k_zero) if fmt.k_bits != 16 else (u8, f, f)

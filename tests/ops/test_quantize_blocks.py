@@ -98,3 +98,47 @@ def test_triton_quantize_rejects_nan():
     k[0, 0, 3, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         quantize_blocks_triton(k, k.clone(), fmt)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("kb, vb, rot", [(4, 4, False), (8, 4, False), (2, 2, True), (16, 4, False), (16, 16, False)],
+                         ids=["int4", "k8v4", "int2+rot", "k16v4", "bf16"])
+def test_quantize_blocks_into_writes_the_slots_only(backend, kb, vb, rot):
+    """In place at pool slots equals quantize_blocks then index writes, for strided views of
+    a tail-like buffer (the cache passes those), and leaves every other slot alone."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from longctx.ops.pages import Pages
+    from longctx.ops.quantize_blocks import quantize_blocks_into
+    from longctx.testing import random_kv
+
+    device = "cuda" if torch.cuda.is_available() and backend == "triton" else "cpu"
+    dtype = torch.float16
+    fmt = BlockFormat(kb, vb, 16, 32, 64, 2, dtype, rot)
+    tail_k, tail_v = random_kv(2, 2, 48, 64, dtype=dtype, seed=kb * vb)  # [B, H, 3 blocks of 16, D]
+    tail_k, tail_v = tail_k.to(device), tail_v.to(device)
+    # blocks 1 and 2 of row 1, then block 0 of row 0: views into the tail, not contiguous
+    k = torch.stack([tail_k[1, :, 16:32], tail_k[1, :, 32:48], tail_k[0, :, 0:16]])
+    v = torch.stack([tail_v[1, :, 16:32], tail_v[1, :, 32:48], tail_v[0, :, 0:16]])
+    one_k, one_v = tail_k[1, :, 16:32].unsqueeze(0), tail_v[1, :, 16:32].unsqueeze(0)  # a strided view
+    assert not one_k.is_contiguous()
+    if rot and device == "cuda":  # the reference quantizes the very rotated values the GPU made
+        ref = quantize_blocks(rotate(k).cpu(), rotate(v).cpu(), dataclasses.replace(fmt, rotate=False), backend="reference")
+    else:
+        ref = quantize_blocks(k.cpu(), v.cpu(), fmt, backend="reference")
+    pages = Pages(fmt)
+    fill = {}
+    for name, t in ref.items():
+        pool = torch.full((6, *t.shape[1:]), 7, dtype=t.dtype, device=device)  # 7: "untouched"
+        setattr(pages, name, pool)
+        fill[name] = pool.clone()
+    slots = torch.tensor([4, 1, 2], device=device)
+    quantize_blocks_into(pages, slots, k, v, backend=backend)
+    quantize_blocks_into(pages, torch.tensor([5], device=device), one_k, one_v, backend=backend)
+    for name, r in ref.items():
+        got = getattr(pages, name).cpu()
+        assert torch.equal(got[[4, 1, 2]], r), name
+        assert torch.equal(got[5], r[0]), name  # the single strided block
+        assert torch.equal(got[[0, 3]], fill[name][[0, 3]].cpu()), name
+    with pytest.raises(ValueError, match=r"ids must be \[3\]"):
+        quantize_blocks_into(pages, slots[:2], k, v, backend=backend)

@@ -1,3 +1,3 @@
-from .api import quantize_blocks
+from .api import quantize_blocks, quantize_blocks_into
 
-__all__ = ["quantize_blocks"]
+__all__ = ["quantize_blocks", "quantize_blocks_into"]

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ...quant import BlockFormat, rotate
+from ..pages import Pages, placeholders
 
 
 @triton.jit
@@ -63,20 +64,24 @@ def _codes(x, s, z, QMAX: tl.constexpr):
 
 @triton.jit
 def _quantize_kernel(
-    K, V, KC, KS, KZ, VC, VS, VZ,
+    K, V, KC, KS, KZ, VC, VS, VZ, IDS,
     s_x_n, s_x_h, s_x_p,
     s_kc_n, s_kc_h, s_kc_p,
     s_ks_n, s_ks_h,
     s_vc_n, s_vc_h, s_vc_p,
     s_vs_n, s_vs_h, s_vs_p,
     H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, SDT: tl.constexpr, BITS16: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, SDT: tl.constexpr, BITS16: tl.constexpr, HAS_IDS: tl.constexpr,
 ):
+    """Block n of the input is written at output row IDS[n] (pool slots) with HAS_IDS, else n."""
     pid = tl.program_id(0)
     n = pid // H
     h = pid % H
     offs_p = tl.arange(0, P)
     xb = n.to(tl.int64) * s_x_n + h * s_x_h
+    o = n.to(tl.int64)
+    if HAS_IDS:
+        o = tl.load(IDS + n).to(tl.int64)
     if K_BITS < 16:
         PK: tl.constexpr = 8 // K_BITS
         DK: tl.constexpr = D // PK
@@ -87,11 +92,11 @@ def _quantize_kernel(
             ch = r + PK * offs_i
             x = tl.load(K + xb + offs_p[:, None] * s_x_p + ch[None, :]).to(tl.float64)
             s, z = _range_to_scale(tl.min(x, 0), tl.max(x, 0), QK, SDT, BITS16)
-            sb = n.to(tl.int64) * s_ks_n + h * s_ks_h + ch
+            sb = o * s_ks_n + h * s_ks_h + ch
             tl.store(KS + sb, s)
             tl.store(KZ + sb, z)
             packed = packed | (_codes(x, s[None, :], z[None, :], QK) << (r * K_BITS))
-        tl.store(KC + n.to(tl.int64) * s_kc_n + h * s_kc_h + offs_p[:, None] * s_kc_p + offs_i[None, :], packed)
+        tl.store(KC + o * s_kc_n + h * s_kc_h + offs_p[:, None] * s_kc_p + offs_i[None, :], packed)
     if V_BITS < 16:
         PV: tl.constexpr = 8 // V_BITS
         DV: tl.constexpr = D // PV
@@ -106,7 +111,7 @@ def _quantize_kernel(
             lo = tl.minimum(lo, tl.min(tl.reshape(x, (P, NG, W)), 2))
             hi = tl.maximum(hi, tl.max(tl.reshape(x, (P, NG, W)), 2))
         s, z = _range_to_scale(lo, hi, QV, SDT, BITS16)
-        so = n.to(tl.int64) * s_vs_n + h * s_vs_h + offs_p[:, None] * s_vs_p + tl.arange(0, NG)[None, :]
+        so = o * s_vs_n + h * s_vs_h + offs_p[:, None] * s_vs_p + tl.arange(0, NG)[None, :]
         tl.store(VS + so, s)
         tl.store(VZ + so, z)
         sb = tl.reshape(tl.broadcast_to(s[:, :, None], (P, NG, W)), (P, DV))
@@ -115,7 +120,7 @@ def _quantize_kernel(
         for r in tl.static_range(PV):
             x = tl.load(V + xb + offs_p[:, None] * s_x_p + (r + PV * offs_j)[None, :]).to(tl.float64)
             packed = packed | (_codes(x, sb, zb, QV) << (r * V_BITS))
-        tl.store(VC + n.to(tl.int64) * s_vc_n + h * s_vc_h + offs_p[:, None] * s_vc_p + offs_j[None, :], packed)
+        tl.store(VC + o * s_vc_n + h * s_vc_h + offs_p[:, None] * s_vc_p + offs_j[None, :], packed)
 
 
 _SDT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -124,21 +129,15 @@ _SDT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: t
 def quantize_blocks_triton(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, checked: bool = False) -> dict[str, torch.Tensor]:
     """Same contract as quantize_blocks_reference; NaN/Inf input raises (checked on the host,
     unless the caller says it has checked)."""
-    out: dict[str, torch.Tensor] = {}
     N, H, P, D = k.shape
-    if not checked and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
-        raise ValueError("cannot quantize keys/values: some are NaN or Inf; the model produced non-finite values, nothing was sealed")
+    if not checked:
+        _check(k, v)
+    out: dict[str, torch.Tensor] = {}
     if fmt.k_bits == 16:
         out["k"] = k.to(fmt.dtype)
     if fmt.v_bits == 16:
         out["v"] = v.to(fmt.dtype)
-    if fmt.k_bits == 16 and fmt.v_bits == 16:
-        return out
-    kq = (rotate(k) if fmt.rotate else k).contiguous()
-    vq = (rotate(v) if fmt.rotate else v).contiguous()
     dev, dt = k.device, fmt.dtype
-    u8 = torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=dev)
-    f = torch.zeros(1, 1, 1, 1, dtype=dt, device=dev)
     if fmt.k_bits != 16:
         out["k_codes"] = torch.empty(N, H, P, D * fmt.k_bits // 8, dtype=torch.uint8, device=dev)
         out["k_scale"] = torch.empty(N, H, D, dtype=dt, device=dev)
@@ -147,18 +146,51 @@ def quantize_blocks_triton(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, c
         out["v_codes"] = torch.empty(N, H, P, D * fmt.v_bits // 8, dtype=torch.uint8, device=dev)
         out["v_scale"] = torch.empty(N, H, P, D // fmt.group_size, dtype=dt, device=dev)
         out["v_zero"] = torch.empty(N, H, P, D // fmt.group_size, dtype=dt, device=dev)
-    KC, KS, KZ = (out["k_codes"], out["k_scale"], out["k_zero"]) if fmt.k_bits != 16 else (u8, f[0], f[0])
-    VC, VS, VZ = (out["v_codes"], out["v_scale"], out["v_zero"]) if fmt.v_bits != 16 else (u8, f, f)
-    if N == 0:
-        return out
-    _quantize_kernel[(N * H,)](
-        kq, vq, KC, KS, KZ, VC, VS, VZ,
+    _launch(k, v, fmt, out, None)
+    return out
+
+
+def quantize_blocks_into_triton(pages: Pages, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, checked: bool = False) -> None:
+    """Quantize N blocks straight into `pages` at pool slots `ids` (int64 [N], on the device):
+    one launch, no intermediate tensors and no per-field copies."""
+    if not checked:
+        _check(k, v)
+    fmt = pages.fmt
+    if fmt.k_bits == 16:
+        pages.k[ids] = k.to(fmt.dtype)
+    if fmt.v_bits == 16:
+        pages.v[ids] = v.to(fmt.dtype)
+    _launch(k, v, fmt, pages.tensors(), ids)
+
+
+def _check(k: torch.Tensor, v: torch.Tensor) -> None:
+    if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+        raise ValueError("cannot quantize keys/values: some are NaN or Inf; the model produced non-finite values, nothing was sealed")
+
+
+def _launch(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, out: dict, ids: torch.Tensor | None) -> None:
+    """The sealing kernel over k, v [N, H, P, D] into out's quantized fields (rows ids[n] when
+    ids is given, else n). Unrotated inputs are read in place when K and V share strides
+    with unit channel stride (a block of the cache's tail is such a view)."""
+    N = k.shape[0]
+    if N == 0 or (fmt.k_bits == 16 and fmt.v_bits == 16):
+        return
+    if fmt.rotate:
+        kq, vq = rotate(k).contiguous(), rotate(v).contiguous()
+    elif k.stride() == v.stride() and k.stride(-1) == 1:
+        kq, vq = k, v
+    else:
+        kq, vq = k.contiguous(), v.contiguous()
+    u8, f = placeholders(k.device, fmt.dtype)  # for a 16-bit side, shaped for its strides
+    KC, KS, KZ = (out["k_codes"], out["k_scale"], out["k_zero"]) if fmt.k_bits != 16 else (u8.view(1, 1, 1), f.view(1, 1), f.view(1, 1))
+    VC, VS, VZ = (out["v_codes"], out["v_scale"], out["v_zero"]) if fmt.v_bits != 16 else (u8.view(1, 1, 1), f.view(1, 1, 1), f.view(1, 1, 1))
+    _quantize_kernel[(N * fmt.num_kv_heads,)](
+        kq, vq, KC, KS, KZ, VC, VS, VZ, ids if ids is not None else u8,
         kq.stride(0), kq.stride(1), kq.stride(2),
         KC.stride(0), KC.stride(1), KC.stride(2),
         KS.stride(0), KS.stride(1),
         VC.stride(0), VC.stride(1), VC.stride(2),
         VS.stride(0), VS.stride(1), VS.stride(2),
-        H=H, P=P, D=D, GS=fmt.group_size, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
-        SDT=_SDT[dt], BITS16=dt != torch.float32, num_warps=4,
+        H=fmt.num_kv_heads, P=fmt.block_size, D=fmt.head_dim, GS=fmt.group_size, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
+        SDT=_SDT[fmt.dtype], BITS16=fmt.dtype != torch.float32, HAS_IDS=ids is not None, num_warps=4,
     )
-    return out
