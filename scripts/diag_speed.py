@@ -50,13 +50,12 @@ def sdpa_ms(B, T):
 # (label, bits, context, batch, block size, variants): each variant is TUNE's default plus
 # its overrides. The sweeps of earlier sessions (pages, asm, warps, stages, occupancy, v16,
 # words) and what they found are in notes/decode-kernel.md.
-V2 = {"v16": 2}
 SWEEP = [
-    ("int4 128k", 4, 131072, 1, 64, [{}, V2, {"programs_per_sm": 6}, {"num_stages": 4}, {"pages": 2, "num_stages": 2, "programs_per_sm": 8}]),
-    ("int4 512k", 4, 524288, 1, 64, [{}, V2, {"num_stages": 4}]),
-    ("int4 32k B8", 4, 32768, 8, 64, [{}, V2, {"programs_per_sm": 8}]),
-    ("int8 128k", 8, 131072, 1, 64, [{}, {"k16": 2}, {"num_stages": 2}, {"k16": 2, "num_stages": 2}]),
-    ("int4 4k", 4, 4096, 1, 64, [{}, {"programs_per_sm": 2}, {"programs_per_sm": 2, "merge": "kernel"}, {"programs_per_sm": 1}]),
+    ("int4 128k", 4, 131072, 1, 64, [{}, {"maxnreg": 0}]),
+    ("int4 512k", 4, 524288, 1, 64, [{}]),
+    ("int8 128k", 8, 131072, 1, 64, [{}, {"maxnreg": 0}, {"num_stages": 2}]),
+    ("int4 32k B8", 4, 32768, 8, 64, [{}]),
+    ("int4 4k", 4, 4096, 1, 64, [{}]),
 ]
 
 

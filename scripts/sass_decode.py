@@ -48,7 +48,7 @@ def compile_decode(a):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or (sig[n] == "i32" and n not in nospec)}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=a.warps, num_stages=a.stages))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=a.warps, num_stages=a.stages, **({"maxnreg": a.maxnreg} if a.maxnreg else {})))
 
 
 def loops(sass: str):
@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--rotate", action="store_true")
     ap.add_argument("--warps", type=int, default=K.TUNE["num_warps"])
     ap.add_argument("--stages", type=int, default=K.TUNE["num_stages"])
+    ap.add_argument("--maxnreg", type=int, default=K.TUNE["maxnreg"], help="cap registers per thread (0: none; ptxas spills past it)")
     ap.add_argument("--pages", type=int, default=K.TUNE["pages"])
     ap.add_argument("--k16", type=int, default=K.TUNE["k16"])
     ap.add_argument("--v16", type=int, default=int(K.TUNE["v16"]), help="0: fp32 V, 1: fp16, 2: bf16 where exact")

@@ -154,6 +154,23 @@ def _step_ids(trow, j, j1, PAGES: tl.constexpr):
 
 
 @triton.jit
+def _token_groups(X, row, ok, NG: tl.constexpr):
+    """[T, NG] per-token group values (V's scales or zeros) of pool rows `row` [T], masked
+    by ok [T]. 16-bit values load as one word per token (NG of them in an int16/32/64): a
+    4- or 8-byte load the pipeliner prefetches, where 2-byte loads stayed in the loop and
+    stalled it (Nsight Compute, H200, triton 3.6); split by shifts."""
+    DT: tl.constexpr = X.dtype.element_ty
+    if DT.primitive_bitwidth == 16 and NG <= 4:
+        WT: tl.constexpr = tl.int16 if NG == 1 else (tl.int32 if NG == 2 else tl.int64)
+        w = tl.load(X.to(tl.pointer_type(WT)) + row, mask=ok, other=0)
+        sh = (16 * tl.arange(0, NG)).to(WT)
+        out = (w[:, None] >> sh[None, :]).to(tl.int16).to(DT, bitcast=True)
+    else:
+        out = tl.load(X + row[:, None] * NG + tl.arange(0, NG)[None, :], mask=ok[:, None], other=0.0)
+    return out
+
+
+@triton.jit
 def _half16(w, r: tl.constexpr, DT: tl.constexpr):
     """The r-th 16-bit value (from the low end) of integer words w, as the 16-bit float DT."""
     return (w >> (16 * r)).to(tl.int16).to(DT, bitcast=True)
@@ -420,13 +437,12 @@ def _decode_kernel(
         else:
             vm = ok[:, None]
             xv = tl.load(VC + row[:, None] * DV + offs_v[None, :], mask=vm, other=0)
-            vs_off = row[:, None] * NG + tl.arange(0, NG)[None, :]
             # column i of every sub-tile is in group i // (GS // PV)
             # V16 == 2: bf16 when the scales are bf16 and the codes < 128 (exact), saving their conversion
             VT: tl.constexpr = (tl.bfloat16 if V16 == 2 and V_BITS <= 4 and VS.dtype.element_ty == tl.bfloat16
                                 else tl.float16 if V16 else tl.float32)
-            vs = tl.reshape(tl.broadcast_to(tl.load(VS + vs_off, mask=vm, other=0.0).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
-            vz = tl.reshape(tl.broadcast_to(tl.load(VZ + vs_off, mask=vm, other=0.0).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
+            vs = tl.reshape(tl.broadcast_to(_token_groups(VS, row, ok, NG).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
+            vz = tl.reshape(tl.broadcast_to(_token_groups(VZ, row, ok, NG).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
             if V16:  # 16-bit codes, exact; one 16-bit FMA per value
                 v0 = _codes16(xv, 0, V_BITS, ASM, VT) * vs + vz
                 v1 = v0
@@ -540,8 +556,11 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # int4 128k 0.1080 vs 0.1248 ms, 512k 0.3827 vs 0.4401 (H200, graph timing, notes v8).
 # 16-bit pages keep what met their target (0.1394 ms at 128k): two stages, 8 programs per SM
 # (stages16, programs16); with 3 stages and 4 per SM they ran 0.1462 ms, with 2 and 4 0.1602.
-TUNE = dict(num_warps=4, num_stages=3, programs_per_sm=4, stages16=2, programs16=8, k16=3, v16=True, pages=1, words=True, asm=True,
-            merge="auto")
+# maxnreg (0: none) caps quantized pages' registers: with V's group scales loaded as words,
+# triton 3.9 here compiles 149 registers (3 programs per SM), but triton 3.6 on the H200 fits
+# 128 uncapped, and capping at 128 there was slower (int4 128k 0.1094 vs 0.1009 ms).
+TUNE = dict(num_warps=4, num_stages=3, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True, pages=1, words=True,
+            asm=True, merge="auto")
 LAST: dict = {}  # the last compiled decode kernel launched (registers, spills: scripts/diag_speed.py)
 
 
@@ -655,9 +674,12 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     # in fp16 (bf16 scales of K convert exactly unless outside fp16's range, |s| > 65504)
     kdt = tl.bfloat16 if KS.dtype == torch.bfloat16 and fmt.k_bits <= 4 else tl.float16
     opts = dict(num_warps=TUNE["num_warps"])
-    stages = TUNE["stages16"] if fmt.k_bits == 16 and fmt.v_bits == 16 else TUNE["num_stages"]
+    sixteen = fmt.k_bits == 16 and fmt.v_bits == 16
+    stages = TUNE["stages16"] if sixteen else TUNE["num_stages"]
     if stages is not None:
         opts["num_stages"] = stages
+    if TUNE["maxnreg"] and not sixteen and q.is_cuda and not _interpreting():
+        opts["maxnreg"] = TUNE["maxnreg"]  # programs_per_sm programs must fit the register file
     LAST["kernel"] = _decode_kernel[(B * H, splits)](
         q2, qr, table, start if start is not None else table,
         view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
