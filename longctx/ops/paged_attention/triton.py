@@ -244,7 +244,7 @@ def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, q
         DT: tl.constexpr = KS.dtype.element_ty
         W16: tl.constexpr = DT.primitive_bitwidth == 16
         WT: tl.constexpr = tl.int16 if PK == 1 else (tl.int32 if PK == 2 else tl.int64)
-        ksw = xk
+        ksw = xk  # (unused unless W16)
         kzw = xk
         if W16:
             ksw = tl.load(KS.to(tl.pointer_type(WT)) + bh * DK + offs_k, mask=km, other=0)
@@ -671,7 +671,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     if k16 == 3 and KS.dtype not in (torch.float16, torch.bfloat16):
         k16 = 2  # K dequantizes in 16 bits from 16-bit scales
     # bf16 holds 128 + c exactly for codes c < 128 (int4, int2), not int8's: int8 K dequantizes
-    # in fp16 (bf16 scales of K convert exactly unless outside fp16's range, |s| > 65504)
+    # in fp16 (bf16 scales and zeros convert exactly within fp16's normal range, 6.1e-5 to
+    # 65504; smaller ones lose bits as subnormals, larger ones would overflow)
     kdt = tl.bfloat16 if KS.dtype == torch.bfloat16 and fmt.k_bits <= 4 else tl.float16
     opts = dict(num_warps=TUNE["num_warps"])
     sixteen = fmt.k_bits == 16 and fmt.v_bits == 16
