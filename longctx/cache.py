@@ -346,13 +346,15 @@ class PagedKVCache:
         slots = _index(ids, self.device)
         if len(sel) == 1:  # the decode step's case: one block, read in place from the tail
             (j, r), = sel
-            pick = lambda blocks: blocks[r, :, j].unsqueeze(0)  # noqa: E731 - [1, H, P, D]
+            rs, js = r, j
         else:
             js = _index([j for j, _ in sel], self.device)
             rs = _index([r for _, r in sel], self.device)
-            pick = lambda blocks: blocks[rs, :, js]  # noqa: E731 - [M, H, P, D]
         for l, pages in enumerate(self.pages):
-            quantize_blocks_into(pages, slots, pick(blocks_k[l]), pick(blocks_v[l]), backend=self.config.backend, checked=True)
+            k, v = blocks_k[l][rs, :, js], blocks_v[l][rs, :, js]  # [M, H, P, D], or a view [H, P, D]
+            if len(sel) == 1:
+                k, v = k.unsqueeze(0), v.unsqueeze(0)
+            quantize_blocks_into(pages, slots, k, v, backend=self.config.backend, checked=True)
 
     # ------------------------------------------------------------------ read
     def block_table(self) -> torch.Tensor:

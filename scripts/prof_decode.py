@@ -14,9 +14,9 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from longctx import KVConfig  # noqa: E402
-from longctx.bench import synthetic_view  # noqa: E402
-from longctx.ops.paged_attention import paged_attention  # noqa: E402
+from longctx import KVConfig
+from longctx.bench import synthetic_view
+from longctx.ops.paged_attention import paged_attention
 
 fmt, T, B = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 bits = {"int4": 4, "int8": 8, "bf16": 16}[fmt]

@@ -33,6 +33,7 @@ CASES = [
     (2, 97, 8, 2, 64, 32, dict(bits=4, rotate=True), False, 2),
     (1, 257, 4, 2, 64, 16, dict(bits=8, sink_blocks=0), False, 7),
     (1, 150, 4, 2, 128, 16, dict(bits=4, group_size=32), False, 2),
+    (1, 150, 4, 2, 128, 16, dict(bits=4, group_size=16), False, 2),  # 8 V groups a token: no word type, 2-byte loads
     (1, 100, 4, 2, 64, 16, dict(bits=4, k_bits=16), False, 2),
 ]
 
@@ -135,7 +136,7 @@ def test_triton_prefill_with_padding_or_lse_takes_the_reference_path():
 
 
 @pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"k16": 2}, {"k16": 3, "pages": 1}, {"k16": 3, "v16": 2}, {"k16": 3, "v16": 2, "pages": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
-                                  {"merge": "launch"}, {"merge": "kernel"}],
+                                  {"merge": "launch"}, {"merge": "kernel"}, {"maxnreg": 128}],
                          ids=lambda t: "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in t.items()))
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))
 @pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
