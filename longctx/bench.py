@@ -373,9 +373,26 @@ class E2ERow:
     peak_gib: float
     ratio_decode: float = float("nan")  # DynamicCache ms/token / this (>1: faster)
     ratio_prefill: float = float("nan")  # this prefill time / DynamicCache's (<1: faster)
+    seal_extra_ms: float = float("nan")  # a sealing step's time over the median step's (LongCtxCache)
+    seal_pct: float = float("nan")  # that excess spread over block_size steps, % of the median step
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def sealing_share(step_ms: list[float], sealed: list[bool], block_size: int) -> tuple[float, float]:
+    """What sealing adds to decoding, from per-step times of a whole model: (the sealing
+    steps' mean excess over the median step that sealed nothing, in ms; that excess spread
+    over the block_size steps between two seals, in % of the median step). (nan, nan) when
+    no step sealed or every step did."""
+    plain = sorted(t for t, s in zip(step_ms, sealed, strict=True) if not s)
+    seals = [t for t, s in zip(step_ms, sealed, strict=True) if s]
+    if not plain or not seals:
+        return float("nan"), float("nan")
+    n = len(plain)
+    median = plain[n // 2] if n % 2 else (plain[n // 2 - 1] + plain[n // 2]) / 2
+    extra = sum(seals) / len(seals) - median
+    return extra, 100.0 * extra / (block_size * median)
 
 
 def llama3_8b_shaped(layers: int = 32, max_positions: int = 1 << 20, device: str = "cuda"):
@@ -401,7 +418,9 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     LongCtxCache's prefill time includes sealing the prompt's last chunk (which would
     otherwise land in the first decode step). The first `warmup` decode steps are not timed
     (they compile the decode kernels: ~1 s once per process, not per token); the default 64
-    timed tokens include one seal of every layer's tail, as steady decoding does every 64."""
+    timed tokens include one seal of every layer's tail, as steady decoding does every 64:
+    each timed step is timed on the GPU's timeline (events, no sync), and for LongCtxCache
+    `sealing_share` gives what the sealing step adds (`seal_extra_ms`, `seal_pct`)."""
     import time
 
     from transformers import DynamicCache
@@ -412,10 +431,22 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     model = llama3_8b_shaped(layers, context + warmup + new_tokens + 16, device)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
 
-    def decode(cache, tok, steps: int):
+    def decode(cache, tok, steps: int, marks: list | None = None):
+        """`steps` greedy tokens; with `marks`, appends (an event recorded at the step's start,
+        whether the step sealed) per step and one end event (sealed None)."""
+        paged = getattr(cache, "paged", None)
         for _ in range(steps):
+            seals = paged.seals if paged is not None else 0
+            if marks is not None:
+                marks.append([torch.cuda.Event(enable_timing=True), False])
+                marks[-1][0].record()
             out = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache))
             tok = out.logits[:, -1:].argmax(-1)
+            if marks is not None:
+                marks[-1][1] = paged is not None and paged.seals != seals
+        if marks is not None:
+            marks.append([torch.cuda.Event(enable_timing=True), None])
+            marks[-1][0].record()
         return tok
 
     def run(name, cache) -> E2ERow:
@@ -433,10 +464,14 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
             tok = decode(cache, tok, warmup)
             torch.cuda.synchronize()
             t1 = time.perf_counter()
-            decode(cache, tok, new_tokens)
+            marks: list = []
+            decode(cache, tok, new_tokens, marks)
             torch.cuda.synchronize()
             t2 = time.perf_counter()
         row = E2ERow(name, context, prefill_s, (t2 - t1) / new_tokens * 1e3, torch.cuda.max_memory_allocated() / 2**30)
+        if isinstance(cache, LongCtxCache):
+            step_ms = [a[0].elapsed_time(b[0]) for a, b in zip(marks, marks[1:])]
+            row.seal_extra_ms, row.seal_pct = sealing_share(step_ms, [m[1] for m in marks[:-1]], cache.paged.block_size)
         if progress is not None:
             progress(row)
         return row

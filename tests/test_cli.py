@@ -1,6 +1,7 @@
 """The command line: help, info, and one-line errors with exit code 2."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -148,3 +149,18 @@ def test_chat_bad_inputs_are_one_line_errors(tmp_path):
     for args in (["chat", "--kv-bits", "3", "--prompt", "x"], ["chat", "--file", str(tmp_path / "missing.txt")],
                  ["chat", "--model", str(tmp_path / "none.gguf"), "--prompt", "x"], ["chat", "--device", "tpu"]):
         one_line_error(runner.invoke(app, args), args)
+
+
+def test_sealing_share_spreads_the_sealing_steps_excess_over_a_block():
+    from longctx.bench import sealing_share
+
+    steps = [10.0, 10.2, 9.8, 10.0, 16.4, 10.1, 9.9]  # the fifth step sealed
+    sealed = [False, False, False, False, True, False, False]
+    extra, pct = sealing_share(steps, sealed, 64)
+    assert extra == pytest.approx(6.4) and pct == pytest.approx(100 * 6.4 / (64 * 10.0))
+    extra, pct = sealing_share(steps[:4] + [16.0, 18.0], sealed[:4] + [True, True], 16)  # two seals: their mean
+    assert extra == pytest.approx(7.0) and pct == pytest.approx(100 * 7.0 / (16 * 10.0))
+    assert all(math.isnan(x) for x in sealing_share(steps, [False] * 7, 64))  # no seal in the window
+    assert all(math.isnan(x) for x in sealing_share([12.0], [True], 64))  # nothing to compare with
+    with pytest.raises(ValueError):
+        sealing_share(steps, sealed[:3], 64)  # one flag per step
