@@ -344,17 +344,14 @@ class PagedKVCache:
         """Quantize the tail blocks sel = [(logical block j, row r)] of every layer into the
         pools at slots ids (one launch per layer on the triton backend)."""
         slots = _index(ids, self.device)
-        if len(sel) == 1:  # the decode step's case: one block, read in place from the tail
+        if len(sel) == 1:  # the decode step's case: one block, read in place from the tail (a view)
             (j, r), = sel
-            rs, js = r, j
+            rs, js = slice(r, r + 1), j
         else:
             js = _index([j for j, _ in sel], self.device)
             rs = _index([r for _, r in sel], self.device)
-        for l, pages in enumerate(self.pages):
-            k, v = blocks_k[l][rs, :, js], blocks_v[l][rs, :, js]  # [M, H, P, D], or a view [H, P, D]
-            if len(sel) == 1:
-                k, v = k.unsqueeze(0), v.unsqueeze(0)
-            quantize_blocks_into(pages, slots, k, v, backend=self.config.backend, checked=True)
+        for l, pages in enumerate(self.pages):  # blocks [B, H, n, P, D] -> [M, H, P, D]
+            quantize_blocks_into(pages, slots, blocks_k[l][rs, :, js], blocks_v[l][rs, :, js], backend=self.config.backend, checked=True)
 
     # ------------------------------------------------------------------ read
     def block_table(self) -> torch.Tensor:

@@ -161,13 +161,20 @@ def _token_groups(X, row, ok, NG: tl.constexpr):
     stalled it (Nsight Compute, H200, triton 3.6); split by shifts."""
     DT: tl.constexpr = X.dtype.element_ty
     if DT.primitive_bitwidth == 16 and NG <= 4:
-        WT: tl.constexpr = tl.int16 if NG == 1 else (tl.int32 if NG == 2 else tl.int64)
-        w = tl.load(X.to(tl.pointer_type(WT)) + row, mask=ok, other=0)
-        sh = (16 * tl.arange(0, NG)).to(WT)
+        w = _words16(X, row, ok, NG)
+        sh = (16 * tl.arange(0, NG)).to(w.dtype)
         out = (w[:, None] >> sh[None, :]).to(tl.int16).to(DT, bitcast=True)
     else:
         out = tl.load(X + row[:, None] * NG + tl.arange(0, NG)[None, :], mask=ok[:, None], other=0.0)
     return out
+
+
+@triton.jit
+def _words16(X, idx, mask, N: tl.constexpr):
+    """Words idx of N consecutive 16-bit values of X (N = 1, 2 or 4: int16, int32, int64;
+    zero where masked): 4- or 8-byte loads, which the pipeliner prefetches with cp.async."""
+    WT: tl.constexpr = tl.int16 if N == 1 else (tl.int32 if N == 2 else tl.int64)
+    return tl.load(X.to(tl.pointer_type(WT)) + idx, mask=mask, other=0)
 
 
 @triton.jit
@@ -243,12 +250,11 @@ def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, q
         # their latency was the kernel's largest stall), split into sub-tiles by shifts
         DT: tl.constexpr = KS.dtype.element_ty
         W16: tl.constexpr = DT.primitive_bitwidth == 16
-        WT: tl.constexpr = tl.int16 if PK == 1 else (tl.int32 if PK == 2 else tl.int64)
         ksw = xk  # (unused unless W16)
         kzw = xk
         if W16:
-            ksw = tl.load(KS.to(tl.pointer_type(WT)) + bh * DK + offs_k, mask=km, other=0)
-            kzw = tl.load(KZ.to(tl.pointer_type(WT)) + bh * DK + offs_k, mask=km, other=0)
+            ksw = _words16(KS, bh * DK + offs_k, km, PK)
+            kzw = _words16(KZ, bh * DK + offs_k, km, PK)
         off = tl.zeros((qp.shape[0],), tl.float32)  # sum of the fp16 (q*s) the dots saw (K16 == 1)
         zq = tl.zeros((qp.shape[0],), tl.float32)  # q . z (K16 < 3)
         for r in tl.static_range(PK):
