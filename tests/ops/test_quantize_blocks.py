@@ -142,3 +142,5 @@ def test_quantize_blocks_into_writes_the_slots_only(backend, kb, vb, rot):
         assert torch.equal(got[[0, 3]], fill[name][[0, 3]].cpu()), name
     with pytest.raises(ValueError, match=r"ids must be \[3\]"):
         quantize_blocks_into(pages, slots[:2], k, v, backend=backend)
+    with pytest.raises(ValueError, match="ids must be int32/int64"):
+        quantize_blocks_into(pages, slots.float(), k, v, backend=backend)

@@ -51,6 +51,8 @@ def quantize_blocks_into(pages: Pages, ids: torch.Tensor, k: torch.Tensor, v: to
     _check_shapes(k, v, fmt)
     if ids.dim() != 1 or ids.shape[0] != k.shape[0]:
         raise ValueError(f"quantize_blocks_into: ids must be [{k.shape[0]}] (one slot per block), got {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64) or ids.device != k.device:
+        raise ValueError(f"quantize_blocks_into: ids must be int32/int64 on {k.device}, got {ids.dtype} on {ids.device}")
     match resolve_backend(backend, k, k.shape[-1], storage=True):
         case "reference":
             from .reference import quantize_blocks_reference
