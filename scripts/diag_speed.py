@@ -37,7 +37,7 @@ def measure(vs, q, tune, reps=15):
     # GPU time (CUDA graph replay): eager timing at 128k is bound by the host's launches
     ms = _time_graph(lambda i: paged_attention(q, vs[i], backend="triton", return_lse=False), len(vs), reps)
     kern = K.LAST.get("kernel")
-    regs = (kern.n_regs, kern.n_spills) if kern is not None else (-1, -1)
+    regs = (kern.n_regs, kern.n_spills, K.LAST.get("grid")) if kern is not None else (-1, -1, None)
     return ms, err, regs
 
 
@@ -51,11 +51,11 @@ def sdpa_ms(B, T):
 # its overrides. The sweeps of earlier sessions (pages, asm, warps, stages, occupancy, v16,
 # words) and what they found are in notes/decode-kernel.md.
 SWEEP = [
-    ("int4 128k", 4, 131072, 1, 64, [{}, {"maxnreg": 128}, {"v16": 2}, {"programs_per_sm": 3}]),
-    ("int4 512k", 4, 524288, 1, 64, [{}, {"v16": 2}]),
-    ("int8 128k", 8, 131072, 1, 64, [{}, {"num_stages": 2}]),
-    ("int4 32k B8", 4, 32768, 8, 64, [{}, {"v16": 2}]),
-    ("int4 4k", 4, 4096, 1, 64, [{}, {"programs_per_sm": 2}]),
+    ("int4 128k", 4, 131072, 1, 64, [{}, {"maxnreg": 128}, {"num_stages": 4}, {"num_warps": 8}, {"merge": "kernel"}]),
+    ("int4 512k", 4, 524288, 1, 64, [{}, {"maxnreg": 128}]),
+    ("int8 128k", 8, 131072, 1, 64, [{}, {"maxnreg": 128}]),
+    ("int4 32k B8", 4, 32768, 8, 64, [{}, {"maxnreg": 128}]),
+    ("int4 4k", 4, 4096, 1, 64, [{}, {"merge": "kernel"}, {"programs_per_sm": 2}]),
 ]
 
 
@@ -83,7 +83,7 @@ def main(path, only=None):
             results.append(row)
             if ok:
                 cands.append(row)
-            print(f"  {kw or 'default'}: {ms:.4f} ms ({base / ms:.2f}x) err {err:.1e} regs/spills {regs} {'' if ok else 'BAD'} [{time.time() - t0:.1f}s]", flush=True)
+            print(f"  {kw or 'default'}: {ms:.4f} ms ({base / ms:.2f}x) err {err:.1e} regs/spills/grid {regs} {'' if ok else 'BAD'} [{time.time() - t0:.1f}s]", flush=True)
         if cands:
             best[label] = min(cands, key=lambda r: r["ms"])
             print("  best:", {k: best[label][k] for k in ("ms", "ratio", *DEFAULT)}, flush=True)

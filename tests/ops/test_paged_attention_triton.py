@@ -12,7 +12,8 @@ pytest.importorskip("triton")
 
 from longctx import KVConfig  # noqa: E402
 from longctx.ops.paged_attention import paged_attention  # noqa: E402
-from longctx.ops.paged_attention.triton import TUNE, num_splits, paged_decode_triton  # noqa: E402
+from longctx.ops.paged_attention import triton as K  # noqa: E402
+from longctx.ops.paged_attention.triton import TUNE, num_splits, paged_decode_triton, programs_fit  # noqa: E402
 from longctx.testing import attention_fp64, expected_dense  # noqa: E402
 
 from .test_paged_attention import fill  # noqa: E402
@@ -95,6 +96,33 @@ def test_num_splits():
     assert num_splits(1, 8, 4, 132, 4) == 4  # never more splits than blocks
     assert num_splits(256, 8, 8000, 132, 4) == 1  # big batch: one program per row and head
     assert num_splits(1, 8, 2048, 132) == num_splits(1, 8, 2048, 132, TUNE["programs_per_sm"])
+
+
+def test_programs_fit():
+    # 165 registers, 41 KiB of shared memory, 4 warps: 168 registers allocated a thread, 5,376 a
+    # warp, 12 warps of 65,536 registers: 3 programs (Nsight Compute on the H200 said 3)
+    assert programs_fit(165, 41984, 4) == 3
+    assert programs_fit(128, 41984, 4) == 4
+    assert programs_fit(64, 41984, 4) == 5  # then shared memory binds: 228 KiB / 42 KiB
+    assert programs_fit(64, 8192, 4) == 8  # and registers again: 2,048 a warp, 32 warps
+    assert programs_fit(32, 1024, 1) == 32  # never more than 32 blocks
+    assert programs_fit(255, 300_000, 8) == 1  # what does not fit still launches one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_launch_fits_one_wave():
+    """Long context, batch 1: the (head, split) programs fill whole waves of the programs per SM
+    that the compiled kernel's registers and shared memory allow, never more."""
+    from longctx.bench import synthetic_view
+
+    view = synthetic_view(1, 65536, 8, 128, KVConfig(bits=4, block_size=64), "cuda")
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    paged_attention(q, view, backend="triton")
+    k, (rows, splits) = K.LAST["kernel"], K.LAST["grid"]
+    fit = min(TUNE["programs_per_sm"], programs_fit(k.n_regs, k.metadata.shared, TUNE["num_warps"], torch.cuda.get_device_properties(0)))
+    slots = fit * torch.cuda.get_device_properties(0).multi_processor_count
+    assert rows == 8 and 0.9 * slots < rows * splits <= slots  # (whole pages per split round a little off)
 
 
 # Prefill chunks (C > 1) on the triton backend: gather_dequant kernel into one staging

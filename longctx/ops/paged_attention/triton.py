@@ -562,28 +562,57 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # int4 128k 0.1080 vs 0.1248 ms, 512k 0.3827 vs 0.4401 (H200, graph timing, notes v8).
 # 16-bit pages keep what met their target (0.1394 ms at 128k): two stages, 8 programs per SM
 # (stages16, programs16); with 3 stages and 4 per SM they ran 0.1462 ms, with 2 and 4 0.1602.
-# maxnreg (0: none) caps quantized pages' registers: with V's group scales loaded as words,
-# triton 3.9 here compiles 149 registers (3 programs per SM), but triton 3.6 on the H200 fits
-# 128 uncapped, and capping at 128 there was slower (int4 128k 0.1094 vs 0.1009 ms).
+# programs_per_sm is an upper bound: the launcher compiles the kernel first and lowers it to
+# what fits in one SM's registers and shared memory (`programs_fit`). The final kernel took 165
+# registers on the H200's triton 3.6 (three per SM), where four had been assumed: 512 programs
+# for 396 slots ran 1.29 waves (Nsight Compute). maxnreg (0: none) caps registers instead:
+# capped at 128 there, int4 128k ran 0.1094 ms against 0.1009 uncapped (in 1.29 waves).
 TUNE = dict(num_warps=4, num_stages=3, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True, pages=1, words=True,
             asm=True, merge="auto")
-LAST: dict = {}  # the last compiled decode kernel launched (registers, spills: scripts/diag_speed.py)
+LAST: dict = {}  # the last decode kernel launched (compiled: registers, spills; its grid)
 
 
 def num_splits(batch: int, kv_heads: int, total_blocks: int, sm_count: int, programs_per_sm: int | None = None) -> int:
     """Splits of the KV length so that the (row, KV head, split) programs fill `programs_per_sm`
-    per SM (what fits at once: 4 at the default's 128 registers) in one whole wave, rounding
-    down: a second, nearly empty wave doubled the time (batch 8 at 32k: 9 splits ran 0.279 ms,
-    8 by the same rule would leave 3 % of the slots idle). Short contexts and big batches get
-    one program per (row, head), whose output needs no merge."""
+    per SM (what fits at once, `programs_fit`) in one whole wave, rounding down: a second,
+    nearly empty wave doubled the time (batch 8 at 32k: 9 splits ran 0.279 ms, 8 by the same
+    rule would leave 3 % of the slots idle). Short contexts and big batches get one program per
+    (row, head), whose output needs no merge."""
     slots = (programs_per_sm or TUNE["programs_per_sm"]) * sm_count
     per_row_head = max(1, slots // max(1, batch * kv_heads))
     return max(1, min(per_row_head, total_blocks, 256))
 
 
+def programs_fit(regs: int, shared: int, num_warps: int, props=None) -> int:
+    """Programs of `num_warps` warps, `regs` registers a thread and `shared` bytes of shared
+    memory that one SM holds at once (CUDA's occupancy rules: registers allocated per warp in
+    units of 256, 1 KiB of shared memory reserved per block; sm_90's limits where `props`, a
+    torch device-properties object, does not say)."""
+    regs_sm = getattr(props, "regs_per_multiprocessor", 0) or 65536
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or 233472
+    threads_sm = getattr(props, "max_threads_per_multi_processor", 0) or 2048
+    per_warp = -(-max(1, regs) * 32 // 256) * 256
+    by_regs = (regs_sm // per_warp) // num_warps
+    by_smem = smem_sm // (shared + 1024)
+    return max(1, min(by_regs, by_smem, threads_sm // (32 * num_warps), 32))
+
+
 @functools.lru_cache(maxsize=8)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_FIT: dict = {}  # programs per SM that fit, by device, format and TUNE
+
+
+def _fit(kernel, num_warps: int, device: int) -> int:
+    """programs_fit of a compiled (warmed-up) decode kernel on `device`."""
+    if getattr(kernel, "n_regs", None) is None and hasattr(kernel, "_init_handles"):
+        kernel._init_handles()  # loads the binary, which reports the registers
+    regs = getattr(kernel, "n_regs", None)
+    if regs is None:  # a Triton that does not say: keep TUNE's count
+        return 32
+    return programs_fit(regs, kernel.metadata.shared, num_warps, torch.cuda.get_device_properties(device))
 
 
 _COUNTERS: dict = {}
@@ -652,22 +681,6 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     if tail_k.stride(-1) != 1 or tail_k.stride() != tail_v.stride():
         raise ValueError("paged_decode_triton: tail_k/tail_v must be contiguous along D and strided alike")
     total = n_blocks + (tail_len + P - 1) // P
-    if splits is None:
-        sm = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 4
-        splits = num_splits(B, H, total, sm, TUNE["programs16"] if fmt.k_bits == 16 and fmt.v_bits == 16 else None)
-    pages_per_step = _pages_per_step(fmt)
-    bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
-    splits = max(1, math.ceil(total / bps))
-    merged = splits == 1 and not fmt.rotate  # one split: the kernel writes the final output
-    merge = splits > 1 and not fmt.rotate and _merge_in_kernel(TUNE["merge"], q.is_cuda and torch.cuda.is_current_stream_capturing())
-    o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
-    o_r = torch.empty_like(o) if fmt.rotate else o
-    lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
-    out, lout, count = o, lse, table
-    if splits > 1 and not fmt.rotate:
-        out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
-        lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
-        count = _counters(q.device, B * H) if merge else table
     KD, VD, KC, KS, KZ, VC, VS, VZ = kernel_pools(view, "paged_decode_triton", lambda c, bits: _words(c, bits, words))
     dot = tl.float16 if q.dtype == torch.float16 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32)
     half = dot != tl.float32
@@ -680,26 +693,61 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     # in fp16 (bf16 scales and zeros convert exactly within fp16's normal range, 6.1e-5 to
     # 65504; smaller ones lose bits as subnormals, larger ones would overflow)
     kdt = tl.bfloat16 if KS.dtype == torch.bfloat16 and fmt.k_bits <= 4 else tl.float16
-    opts = dict(num_warps=TUNE["num_warps"])
     sixteen = fmt.k_bits == 16 and fmt.v_bits == 16
+    opts = dict(num_warps=TUNE["num_warps"])
     stages = TUNE["stages16"] if sixteen else TUNE["num_stages"]
     if stages is not None:
         opts["num_stages"] = stages
-    if TUNE["maxnreg"] and not sixteen and q.is_cuda and not _interpreting():
+    gpu = q.is_cuda and not _interpreting()
+    if TUNE["maxnreg"] and not sixteen and gpu:
         opts["maxnreg"] = TUNE["maxnreg"]  # programs_per_sm programs must fit the register file
-    LAST["kernel"] = _decode_kernel[(B * H, splits)](
-        q2, qr, table, start if start is not None else table,
-        view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
-        o, o_r, lse, out, lout, count,
-        q2.stride(0), q2.stride(1), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-        n_blocks, min(view.n_sink, n_blocks), tail_len, bps, scale, splits,
+    pages_per_step = _pages_per_step(fmt)
+    consts = dict(
         H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, P=P,
         K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate,
         HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
         K16=k16, V16=half and TUNE["v16"], KDT=kdt, PAGES=pages_per_step,
-        WORDS=words, ASM=TUNE["asm"] and q.is_cuda and not _interpreting(),
-        MERGE=merge, GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts,
+        WORDS=words, ASM=TUNE["asm"] and gpu, GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts,
     )
+
+    def launch(splits: int, warmup: bool = False):
+        """Buffers for `splits` splits and the kernel launched over them (compiled only, not
+        run, with warmup)."""
+        bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
+        splits = max(1, math.ceil(total / bps))
+        merged = splits == 1 and not fmt.rotate  # one split: the kernel writes the final output
+        merge = splits > 1 and not fmt.rotate and _merge_in_kernel(TUNE["merge"], q.is_cuda and torch.cuda.is_current_stream_capturing())
+        o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
+        o_r = torch.empty_like(o) if fmt.rotate else o
+        lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
+        out, lout, count = o, lse, table
+        if splits > 1 and not fmt.rotate:
+            out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+            lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
+            count = _counters(q.device, B * H) if merge else table
+        args = (q2, qr, table, start if start is not None else table,
+                view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
+                o, o_r, lse, out, lout, count,
+                q2.stride(0), q2.stride(1), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
+                n_blocks, min(view.n_sink, n_blocks), tail_len, bps, scale, splits)
+        if warmup:
+            return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, **consts)
+        LAST["kernel"], LAST["grid"] = _decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), (B * H, splits)
+        return splits, merged, merge, o, o_r, lse, out, lout
+
+    if splits is None:
+        device = q.device.index if q.device.index is not None else torch.cuda.current_device() if q.is_cuda else None
+        sm = _sm_count(device) if q.is_cuda else 4
+        ppsm = TUNE["programs16"] if sixteen else TUNE["programs_per_sm"]
+        splits = num_splits(B, H, total, sm, ppsm)
+        if gpu:  # as many programs per SM as fit, given the compiled kernel's registers
+            key = (device, fmt, q.dtype, KS.dtype, start is not None, tuple(TUNE.items()))
+            fit = _FIT.get(key)
+            if fit is None:
+                fit = _FIT[key] = _fit(launch(splits, warmup=True), TUNE["num_warps"], device)
+            if fit < ppsm:
+                splits = num_splits(B, H, total, sm, fit)
+    splits, merged, merge, o, o_r, lse, out, lout = launch(splits)
     if merged:
         return o, (lse if return_lse else None)
     if fmt.rotate:  # two partial outputs per split; merge in torch, then rotate back
