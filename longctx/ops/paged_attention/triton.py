@@ -741,9 +741,10 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         ppsm = TUNE["programs16"] if sixteen else TUNE["programs_per_sm"]
         splits = num_splits(B, H, total, sm, ppsm)
         if gpu:  # as many programs per SM as fit, given the compiled kernel's registers
-            key = (device, fmt, q.dtype, KS.dtype, start is not None, tuple(TUNE.items()))
+            merging = splits > 1 and _merge_in_kernel(TUNE["merge"], torch.cuda.is_current_stream_capturing())
+            key = (device, fmt, q.dtype, KS.dtype, start is not None, merging, tuple(TUNE.items()))
             fit = _FIT.get(key)
-            if fit is None:
+            if fit is None:  # (the in-kernel merge costs registers: 165 against 128 on triton 3.6)
                 fit = _FIT[key] = _fit(launch(splits, warmup=True), TUNE["num_warps"], device)
             if fit < ppsm:
                 splits = num_splits(B, H, total, sm, fit)
