@@ -51,10 +51,11 @@ def sdpa_ms(B, T):
 # its overrides. The sweeps of earlier sessions (pages, asm, warps, stages, occupancy, v16,
 # words) and what they found are in notes/decode-kernel.md.
 SWEEP = [
-    ("int4 128k", 4, 131072, 1, 64, [{}, {"programs_per_sm": 3}]),
+    ("int4 128k", 4, 131072, 1, 64, [{}, {"programs_per_sm": 3}, {"merge": "kernel"}]),
     ("int8 128k", 8, 131072, 1, 64, [{}, {"programs_per_sm": 3}]),
     ("int4 32k B8", 4, 32768, 8, 64, [{}, {"programs_per_sm": 3}]),
     ("int4 4k", 4, 4096, 1, 64, [{}, {"merge": "kernel"}]),
+    ("int8 4k", 8, 4096, 1, 64, [{}, {"merge": "kernel"}]),
 ]
 
 

@@ -563,10 +563,14 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # 16-bit pages keep what met their target (0.1394 ms at 128k): two stages, 8 programs per SM
 # (stages16, programs16); with 3 stages and 4 per SM they ran 0.1462 ms, with 2 and 4 0.1602.
 # programs_per_sm is an upper bound: the launcher compiles the kernel first and lowers it to
-# what fits in one SM's registers and shared memory (`programs_fit`). The final kernel took 165
-# registers on the H200's triton 3.6 (three per SM), where four had been assumed: 512 programs
-# for 396 slots ran 1.29 waves (Nsight Compute). maxnreg (0: none) caps registers instead:
-# capped at 128 there, int4 128k ran 0.1094 ms against 0.1009 uncapped (in 1.29 waves).
+# what fits in one SM's registers and shared memory (`programs_fit`). On the H200's triton 3.6
+# the kernel takes 128 registers (4 per SM) with the merge in a second launch, as under CUDA
+# graphs, and 165 (3 per SM) with the in-kernel merge, as in eager calls: there 512 programs
+# had been launched for 396 slots (1.29 waves, Nsight Compute). Under graphs the second launch
+# stays ("auto"): in-kernel at 4k int4 0.0164 against 0.0177 ms, but int8 4k 0.0188 against
+# 0.0182 and int4 128k 0.1090-0.1153 against 0.1015-0.1054 (merging fewer splits at once did
+# not lower its registers). maxnreg (0: none) caps registers: capped at 128, int4 128k ran
+# 0.1094-0.1108 ms against 0.1009-0.1054 uncapped.
 TUNE = dict(num_warps=4, num_stages=3, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True, pages=1, words=True,
             asm=True, merge="auto")
 LAST: dict = {}  # the last decode kernel launched (compiled: registers, spills; its grid)
