@@ -113,7 +113,8 @@ def test_programs_fit():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_launch_fits_one_wave():
     """Long context, batch 1: the (head, split) programs fill whole waves of the programs per SM
-    that the compiled kernel's registers and shared memory allow, never more."""
+    that the compiled kernel's registers and shared memory allow, never more; short contexts
+    compile with TUNE's short_stages."""
     from longctx.bench import synthetic_view
 
     view = synthetic_view(1, 65536, 8, 128, KVConfig(bits=4, block_size=64), "cuda")
@@ -123,6 +124,10 @@ def test_launch_fits_one_wave():
     fit = min(TUNE["programs_per_sm"], programs_fit(k.n_regs, k.metadata.shared, TUNE["num_warps"], torch.cuda.get_device_properties(0)))
     slots = fit * torch.cuda.get_device_properties(0).multi_processor_count
     assert rows == 8 and 0.9 * slots < rows * splits <= slots  # (whole pages per split round a little off)
+    assert k.metadata.num_stages == TUNE["num_stages"]
+    # 4k: a page or two per program, nothing for a third pipeline stage to prefetch
+    paged_attention(q, synthetic_view(1, 4096, 8, 128, KVConfig(bits=4, block_size=64), "cuda"), backend="triton")
+    assert K.LAST["kernel"].metadata.num_stages == TUNE["short_stages"] and K.LAST["grid"][1] <= 64
 
 
 # Prefill chunks (C > 1) on the triton backend: gather_dequant kernel into one staging

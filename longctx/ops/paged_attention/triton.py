@@ -562,6 +562,8 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # int4 128k 0.1080 vs 0.1248 ms, 512k 0.3827 vs 0.4401 (H200, graph timing, notes v8).
 # 16-bit pages keep what met their target (0.1394 ms at 128k): two stages, 8 programs per SM
 # (stages16, programs16); with 3 stages and 4 per SM they ran 0.1462 ms, with 2 and 4 0.1602.
+# short_stages: quantized pages when a program gets at most two of them (short contexts):
+# int4 4k 0.0155 ms with two stages against 0.0179 with three (SDPA 0.0119; notes v9).
 # programs_per_sm is an upper bound: the launcher compiles the kernel first and lowers it to
 # what fits in one SM's registers and shared memory (`programs_fit`). On the H200's triton 3.6
 # the kernel takes 128 registers (4 per SM) with the merge in a second launch, as under CUDA
@@ -571,8 +573,8 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # 0.0182 and int4 128k 0.1090-0.1153 against 0.1015-0.1054 (merging fewer splits at once did
 # not lower its registers). maxnreg (0: none) caps registers: capped at 128, int4 128k ran
 # 0.1094-0.1108 ms against 0.1009-0.1054 uncapped.
-TUNE = dict(num_warps=4, num_stages=3, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True, pages=1, words=True,
-            asm=True, merge="auto")
+TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
+            pages=1, words=True, asm=True, merge="auto")
 LAST: dict = {}  # the last decode kernel launched (compiled: registers, spills; its grid)
 
 
@@ -698,8 +700,14 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     # 65504; smaller ones lose bits as subnormals, larger ones would overflow)
     kdt = tl.bfloat16 if KS.dtype == torch.bfloat16 and fmt.k_bits <= 4 else tl.float16
     sixteen = fmt.k_bits == 16 and fmt.v_bits == 16
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device() if q.is_cuda else None
+    sm = _sm_count(device) if q.is_cuda else 4
+    ppsm = TUNE["programs16"] if sixteen else TUNE["programs_per_sm"]
+    guess = splits or num_splits(B, H, total, sm, ppsm)
+    # programs of one or two pages (short contexts) have nothing for a third stage to prefetch
+    short = not sixteen and math.ceil(total / guess) <= 2
     opts = dict(num_warps=TUNE["num_warps"])
-    stages = TUNE["stages16"] if sixteen else TUNE["num_stages"]
+    stages = TUNE["stages16"] if sixteen else TUNE["short_stages"] if short else TUNE["num_stages"]
     if stages is not None:
         opts["num_stages"] = stages
     gpu = q.is_cuda and not _interpreting()
@@ -740,13 +748,10 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:
-        device = q.device.index if q.device.index is not None else torch.cuda.current_device() if q.is_cuda else None
-        sm = _sm_count(device) if q.is_cuda else 4
-        ppsm = TUNE["programs16"] if sixteen else TUNE["programs_per_sm"]
-        splits = num_splits(B, H, total, sm, ppsm)
+        splits = guess
         if gpu:  # as many programs per SM as fit, given the compiled kernel's registers
             merging = splits > 1 and _merge_in_kernel(TUNE["merge"], torch.cuda.is_current_stream_capturing())
-            key = (device, fmt, q.dtype, KS.dtype, start is not None, merging, tuple(TUNE.items()))
+            key = (device, fmt, q.dtype, KS.dtype, start is not None, merging, stages, tuple(TUNE.items()))
             fit = _FIT.get(key)
             if fit is None:  # (the in-kernel merge costs registers: 165 against 128 on triton 3.6)
                 fit = _FIT[key] = _fit(launch(splits, warmup=True), TUNE["num_warps"], device)
