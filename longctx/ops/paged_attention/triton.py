@@ -722,13 +722,19 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         WORDS=words, ASM=TUNE["asm"] and gpu, GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts,
     )
 
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+    def merge_in_kernel(splits: int) -> bool:
+        """The last split merges the partials (else a second launch, or torch with rotation)."""
+        return splits > 1 and not fmt.rotate and _merge_in_kernel(TUNE["merge"], capturing)
+
     def launch(splits: int, warmup: bool = False):
         """Buffers for `splits` splits and the kernel launched over them (compiled only, not
         run, with warmup)."""
         bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
         splits = max(1, math.ceil(total / bps))
         merged = splits == 1 and not fmt.rotate  # one split: the kernel writes the final output
-        merge = splits > 1 and not fmt.rotate and _merge_in_kernel(TUNE["merge"], q.is_cuda and torch.cuda.is_current_stream_capturing())
+        merge = merge_in_kernel(splits)
         o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
         o_r = torch.empty_like(o) if fmt.rotate else o
         lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
@@ -750,8 +756,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     if splits is None:
         splits = guess
         if gpu:  # as many programs per SM as fit, given the compiled kernel's registers
-            merging = splits > 1 and _merge_in_kernel(TUNE["merge"], torch.cuda.is_current_stream_capturing())
-            key = (device, fmt, q.dtype, KS.dtype, start is not None, merging, stages, tuple(TUNE.items()))
+            key = (device, fmt, q.dtype, KS.dtype, start is not None, merge_in_kernel(splits), stages, tuple(TUNE.items()))
             fit = _FIT.get(key)
             if fit is None:  # (the in-kernel merge costs registers: 165 against 128 on triton 3.6)
                 fit = _FIT[key] = _fit(launch(splits, warmup=True), TUNE["num_warps"], device)
