@@ -54,8 +54,8 @@ SWEEP = [
     ("int4 128k", 4, 131072, 1, 64, [{}, {"programs_per_sm": 3}, {"merge": "kernel"}]),
     ("int8 128k", 8, 131072, 1, 64, [{}, {"programs_per_sm": 3}]),
     ("int4 32k B8", 4, 32768, 8, 64, [{}, {"programs_per_sm": 3}]),
-    ("int4 4k", 4, 4096, 1, 64, [{}, {"merge": "kernel"}, {"num_warps": 8}, {"num_warps": 2}, {"num_stages": 2},
-                                 {"num_warps": 8, "merge": "kernel"}, {"num_warps": 2, "merge": "kernel"}]),
+    ("int4 4k", 4, 4096, 1, 64, [{}, {"short_stages": 1}, {"merge": "kernel"}, {"num_warps": 8}, {"num_warps": 8, "merge": "kernel"},
+                                 {"programs_per_sm": 2}, {"programs_per_sm": 2, "merge": "kernel"}]),
     ("int8 4k", 8, 4096, 1, 64, [{}, {"merge": "kernel"}]),
 ]
 
