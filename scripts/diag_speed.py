@@ -50,12 +50,18 @@ def sdpa_ms(B, T):
 # (label, bits, context, batch, block size, variants): each variant is TUNE's default plus
 # its overrides. The sweeps of earlier sessions (pages, asm, warps, stages, occupancy, v16,
 # words) and what they found are in notes/decode-kernel.md.
+# more programs per SM by capping registers (ptxas spills a few values: sm_90 SASS here, int4,
+# 13-29 local loads a page): 96 registers fit 5 programs of 4 warps, 80 fit 6 (with 2 stages,
+# whose shared memory also fits 6)
+OCC = [{"maxnreg": 96, "programs_per_sm": 5}, {"maxnreg": 96, "programs_per_sm": 5, "num_stages": 2},
+       {"maxnreg": 80, "programs_per_sm": 6, "num_stages": 2}]
 SWEEP = [
-    ("int4 128k", 4, 131072, 1, 64, [{}, {"programs_per_sm": 3}, {"merge": "kernel"}]),
-    ("int8 128k", 8, 131072, 1, 64, [{}, {"programs_per_sm": 3}]),
-    ("int4 32k B8", 4, 32768, 8, 64, [{}, {"programs_per_sm": 3}]),
+    ("int4 128k", 4, 131072, 1, 64, [{}] + OCC),
+    ("int4 512k", 4, 524288, 1, 64, [{}] + OCC),
+    ("int8 128k", 8, 131072, 1, 64, [{}] + OCC),
+    ("int4 32k B8", 4, 32768, 8, 64, [{}] + OCC),
     ("int4 4k", 4, 4096, 1, 64, [{}, {"short_stages": 1}, {"merge": "kernel"}, {"num_warps": 8}, {"num_warps": 8, "merge": "kernel"},
-                                 {"programs_per_sm": 2}, {"programs_per_sm": 2, "merge": "kernel"}]),
+                                 {"programs_per_sm": 2}, {"programs_per_sm": 2, "merge": "kernel"}] + OCC),
     ("int8 4k", 8, 4096, 1, 64, [{}, {"merge": "kernel"}]),
 ]
 
