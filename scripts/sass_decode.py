@@ -11,6 +11,7 @@ Usage (repo root):
   python3 scripts/sass_decode.py                          # int4, 64-token pages, TUNE's settings
   python3 scripts/sass_decode.py --bits 8 --pages 1 --warps 8
   python3 scripts/sass_decode.py --keep /tmp/sass          # also write .ttgir/.ptx/.sass there
+  python3 scripts/sass_decode.py --prefill 64 --stages 2   # the prefill kernel, 64 query rows a program
 """
 
 import argparse
@@ -33,7 +34,7 @@ POINTERS = {"TABLE": "*i32", "START": "*i32", "O": "*fp32", "OR": "*fp32", "LSE"
 
 
 def compile_decode(a):
-    fn = K._decode_kernel
+    fn = K._prefill_kernel if a.prefill else K._decode_kernel
     names = list(inspect.signature(fn.fn).parameters)
     words = a.words and a.bits in (4, 8)
     code = "*i16" if words else "*u8"
@@ -43,8 +44,12 @@ def compile_decode(a):
     const = dict(H=a.kv_heads, G=G, G_PAD=max(16, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.bits, GS=a.group_size,
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)))
+    if a.prefill:  # the prefill kernel: a.prefill rows (query tokens x G heads) a program
+        bt = max(1, a.prefill // G)
+        const.update(BT=bt, M=max(16, triton.next_power_of_2(bt * G)))
+        const = {k: v for k, v in const.items() if k in names}
     nospec = {names[i] if isinstance(i, int) else i for i in (getattr(fn, "do_not_specialize", None) or ())}
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.isupper() else "fp32" if n == "scale" else "i32" for n in names}
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.isupper() and n != "C" else "fp32" if n == "scale" else "i32" for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or (sig[n] == "i32" and n not in nospec)}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
@@ -82,6 +87,7 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=int(K.TUNE["words"]))
     ap.add_argument("--asm", type=int, default=int(K.TUNE["asm"]))
     ap.add_argument("--merge", default="kernel", choices=("kernel", "launch"), help="kernel: with the in-kernel merge")
+    ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")
     ap.add_argument("--keep", type=Path, help="write the kernel's .ttgir, .ptx and .sass into this folder")
     a = ap.parse_args()
     a.words, a.asm = bool(a.words), bool(a.asm)

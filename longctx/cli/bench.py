@@ -97,19 +97,20 @@ def _plot_decode(rows, path: Path, title: str) -> None:
 @app.command()
 def prefill(
     contexts: str = typer.Option("32k,128k", help="tokens in the cache after the measured chunk"),
-    chunk: int = typer.Option(16384, help="prefill chunk (tokens)"),
+    chunks: str = typer.Option("512,16k", help="prefill chunk lengths (tokens), comma-separated"),
     formats: str = typer.Option("int4,int8", help="longctx formats"),
+    paths: str = typer.Option("kernel,staged", help="prefill paths: kernel (pages read in place), staged (dense past + SDPA)"),
     shape: str = typer.Option("llama-3-8b", help="model shape: llama-3-8b or smollm2-135m"),
     block_size: int = typer.Option(64, help="tokens per page"),
     as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
 ) -> None:
-    """Per-layer time of a prompt's last prefill chunk: sealing + staged attention vs SDPA (flash) over dense bf16.
+    """Per-layer time of a prompt's last prefill chunk, by each path (sealing included) vs SDPA (flash) over dense bf16.
 
-    Example: longctx bench prefill --contexts 32k,128k --chunk 16384
+    Example: longctx bench prefill --contexts 32k,128k --chunks 512,16k
     """
     from ..bench import bench_prefill
 
-    rows = bench_prefill(_sizes(contexts), chunk, _names(formats), shape, block_size)
+    rows = bench_prefill(_sizes(contexts), _sizes(chunks), _names(formats), shape, block_size, paths=_names(paths))
     table = Table(title=f"Prefill chunk per layer ({shape}), median")
     for col in ("kernel", "context", "chunk", "ms", "tokens/s", "vs SDPA bf16"):
         table.add_column(col, justify="left" if col == "kernel" else "right")

@@ -1,4 +1,4 @@
-"""Triton decode kernel vs the reference and an fp64 oracle, on a named grid.
+"""Triton decode and prefill kernels vs the reference and an fp64 oracle, on a named grid.
 
 On CPU this runs under TRITON_INTERPRET=1 (set by conftest) with fp32/fp16 inputs (the
 interpreter's bf16 dot is broken); on CUDA (gpu marker) with bf16 too. Error budget: the
@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 from longctx import KVConfig  # noqa: E402
 from longctx.ops.paged_attention import paged_attention  # noqa: E402
+from longctx.ops.paged_attention import prefill  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
 from longctx.ops.paged_attention.triton import TUNE, num_splits, paged_decode_triton, programs_fit  # noqa: E402
 from longctx.testing import attention_fp64, expected_dense  # noqa: E402
@@ -140,13 +141,18 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", ["kernel", "staged"])
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-C{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-P{c[6]}-" + KVConfig(**c[7]).describe())
-def test_triton_prefill_within_budget(case, dtype):
+def test_triton_prefill_within_budget(case, dtype, path, monkeypatch):
+    """Both prefill paths through paged_attention's dispatch (zero padding stays staged)."""
     B, T, C, Hq, Hkv, D, P, kw = case
     cfg = KVConfig(block_size=P, **kw)
     cache, k, v = fill(cfg, B, T, C, Hkv, D, dtype=dtype, seed=T)
     q = torch.randn(B, Hq, C, D, generator=torch.Generator().manual_seed(T + 2)).to(dtype)
+    monkeypatch.setitem(TUNE, "prefill", path)
+    other = "paged_prefill_staged" if path == "kernel" else "paged_prefill_triton"
+    monkeypatch.setattr(prefill if path == "kernel" else K, other, _never)
     out, lse = paged_attention(q.to(DEVICE), _to(cache.view(0), DEVICE), start=torch.zeros(B, dtype=torch.int32, device=DEVICE),
                                backend="triton", return_lse=False)
     assert lse is None and out.shape == q.shape and out.dtype == dtype
@@ -157,12 +163,20 @@ def test_triton_prefill_within_budget(case, dtype):
     assert err_kernel <= max(2 * err_ref, FLOOR[dtype]), (err_kernel, err_ref)
 
 
-def test_triton_prefill_with_padding_or_lse_takes_the_reference_path():
+def _never(*args, **kwargs):
+    raise AssertionError("this prefill path must not run here")
+
+
+def test_triton_prefill_with_padding_or_lse_reads_the_pages(monkeypatch):
+    """Left padding or a wanted LSE: the kernel path even where staging is asked for (SDPA's
+    flash kernel takes no per-row padding and returns no LSE)."""
     cfg = KVConfig(bits=4, block_size=16)
     cache, _, _ = fill(cfg, 2, 60, 10, 2, 64)
     q = torch.randn(2, 4, 10, 64)
     start = torch.tensor([0, 7], dtype=torch.int32)
     view = _to(cache.view(0), DEVICE)
+    monkeypatch.setitem(TUNE, "prefill", "staged")
+    monkeypatch.setattr(prefill, "paged_prefill_staged", _never)
     out, lse = paged_attention(q.to(DEVICE), view, start=start.to(DEVICE), backend="triton")
     ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
     assert torch.allclose(out.cpu(), ref_out, atol=1e-5) and torch.allclose(lse.cpu(), ref_lse, atol=1e-5)
@@ -236,3 +250,51 @@ def test_head_dims_the_kernels_cannot_tile_go_to_the_reference():
         paged_attention(torch.randn(1, 2, 1, 96), cache.view(0), backend="triton")
     out, _ = paged_attention(torch.randn(1, 2, 1, 96), cache.view(0))  # auto: the reference serves it
     assert torch.isfinite(out).all()
+
+
+# Prefill chunks through the kernel over the pages: (B, T, C, Hq, Hkv, D, block, cfg kwargs,
+# padding). The launcher splits the KV length where the query blocks alone leave the GPU (4
+# "SMs" under the interpreter) idle, so most cases merge splits; the C=130 case runs one.
+KERNEL_PREFILL = [
+    (1, 100, 7, 4, 2, 64, 16, dict(bits=4), False),
+    (2, 150, 20, 9, 3, 64, 16, dict(bits=4), True),
+    (1, 300, 33, 4, 4, 64, 16, dict(bits=2, rotate=True), False),
+    (2, 200, 16, 8, 2, 128, 64, dict(bits=8), True),
+    (1, 130, 40, 8, 1, 64, 16, dict(bits=16), False),
+    (2, 97, 5, 4, 1, 64, 32, dict(bits=4, k_bits=8, rotate=True), True),
+    (1, 120, 9, 4, 2, 64, 16, dict(bits=4, sink_blocks=0), False),
+    (1, 200, 130, 8, 2, 64, 16, dict(bits=4), False),
+]
+
+
+def prefill_id(c):
+    B, T, C, Hq, Hkv, D, P, kw, pad = c
+    return f"B{B}-T{T}-C{C}-H{Hq}/{Hkv}-D{D}-P{P}-{KVConfig(**kw).describe()}" + ("" if kw.get("sink_blocks", 1) else "-nosink") + ("-pad" if pad else "")
+
+
+@pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", KERNEL_PREFILL, ids=[prefill_id(c) for c in KERNEL_PREFILL])
+def test_prefill_kernel_within_budget(case, dtype):
+    """The kernel alone, with splits, GQA, rotation, mixed bits, no sinks, left padding
+    (row 1 starts inside the chunk) and the LSE."""
+    B, T, C, Hq, Hkv, D, P, kw, pad = case
+    cfg = KVConfig(block_size=P, **kw)
+    cache, k, v = fill(cfg, B, T, C, Hkv, D, dtype=dtype, seed=T)
+    view = _to(cache.view(0), DEVICE)
+    q = torch.randn(B, Hq, C, D, generator=torch.Generator().manual_seed(T + 2)).to(dtype)
+    # row 1 of a padded batch starts inside the chunk: its first queries see nothing
+    start = torch.tensor([min(4 * b + 1, T - 1) if b == 0 else T - C + 2 for b in range(B)], dtype=torch.int32) if pad else None
+    out, lse = K.paged_prefill_triton(q.to(DEVICE), view, start.to(DEVICE) if pad else None, D**-0.5)
+    ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
+    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T - C)
+    exact_out, exact_lse = attention_fp64(q, k_exp, v_exp, start)
+    out, lse = out.cpu().double(), lse.cpu().double()
+    assert out.shape == (B, Hq, C, D) and lse.shape == (B, Hq, C)
+    assert torch.isfinite(out).all()
+    seen = torch.isfinite(exact_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and (out[~seen] == 0).all()  # queries that see no key
+    err_kernel = (out - exact_out).abs().max().item()
+    err_ref = (ref_out.double() - exact_out).abs().max().item()
+    assert err_kernel <= max(2 * err_ref, FLOOR[dtype]), (err_kernel, err_ref)
+    err_lse = (lse[seen] - exact_lse[seen]).abs().max().item()
+    assert err_lse <= max(2 * (ref_lse.double()[seen] - exact_lse[seen]).abs().max().item(), FLOOR[dtype]), err_lse

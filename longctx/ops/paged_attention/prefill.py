@@ -1,4 +1,6 @@
-"""Prefill chunks (q_len = C > 1) on the triton backend: stage, then a fused dense kernel.
+"""Prefill chunks (q_len = C > 1) on the triton backend, the staged path: stage, then a fused
+dense kernel. (The other path reads the pages in place: `paged_prefill_triton` in triton.py;
+`prefill_path` picks one by the chunk's length.)
 
 The sealed past is dequantized by the gather_dequant kernel into one staging buffer of the
 query's dtype, the tail is copied after it, and PyTorch's SDPA runs with a lower-right
@@ -9,8 +11,8 @@ staging buffer is one layer's past at a time and is freed when the layer returns
 GQA runs as G calls of plain multi-head attention (the query heads g, g+G, ... pair with
 KV heads 0, 1, ...), so no kernel ever needs a GQA mode or a repeated K/V.
 
-Rows with left padding (start given) and callers that need the LSE take the reference
-path instead: the padding mask is per row, and the flash kernel does not return the LSE.
+Rows with left padding (start given) and callers that need the LSE take the kernel path:
+the padding mask is per row, and the flash kernel does not return the LSE.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -236,7 +237,10 @@ def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, q
     K16 == 3 dequantizes sub-tile r in KDT (fp16, or bf16 for codes < 128 with bf16 scales:
     codes * s + z, one FMA per two values) and dots it with the fixed KDT query qp_r; 0-2 fold the per-channel scales into the query
     instead, (q*s)_r . codes_r (0: fp32 codes through DOT; 1: fp16 1024 + code, subtracting
-    1024 * the sum of the rounded q*s the dots saw; 2: fp16 codes), then add q . z."""
+    1024 * the sum of the rounded q*s the dots saw; 2: fp16 codes), then add q . z. K16 == 4
+    dequantizes in fp32 and rounds once into DOT (the prefill kernel's choice: its query block
+    shares each page's dequantization, and the 16-bit dequantization rounds twice where the
+    multiply and add are not fused, as under the interpreter)."""
     pm = (offs_p[:, None] * 0 + n) < left  # tensor masks: the interpreter takes no scalar bool
     s = tl.zeros((qp.shape[0], P), tl.float32)
     if K_BITS == 16:  # (one return at the end: an early return in a branch miscompiled on the GPU)
@@ -267,6 +271,9 @@ def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, q
                 zr = tl.load(KZ + bh * D + PK * offs_k + r, mask=km, other=0.0)
             if K16 == 3:  # K dequantized in KDT against the fixed KDT query
                 s += tl.dot(qr, tl.trans(_codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[None, :] + zr.to(KDT)[None, :]))
+            elif K16 == 4:  # K dequantized in fp32, rounded once into DOT, against the fixed DOT query
+                kf = _f32(xk, r, K_BITS) * sr.to(tl.float32)[None, :] + zr.to(tl.float32)[None, :]
+                s += tl.dot(qr, tl.trans(kf.to(DOT)), input_precision=PREC)
             else:  # scales folded into the fp32 query
                 qs = qr * sr.to(tl.float32)[None, :]
                 zq += tl.sum(qr * zr.to(tl.float32)[None, :], 1)
@@ -278,9 +285,81 @@ def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, q
                     s += tl.dot(qs.to(tl.float16), tl.trans(_f16(xk, r, K_BITS, ASM)))
                 else:
                     s += tl.dot(qs.to(DOT), tl.trans(_f32(xk, r, K_BITS).to(DOT)), input_precision=PREC)
-        if K16 != 3:
+        if K16 < 3:
             s += zq[:, None] - 1024.0 * off[:, None]
     return s
+
+
+@triton.jit
+def _dense_scores(kbase, sp, valid, q, offs_p, offs_d, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Base-2 scores [rows, P] of q against one unquantized block (a sink page or the tail;
+    token stride sp), invalid tokens read as zeros (masked by the caller)."""
+    k = tl.load(kbase + offs_p[:, None] * sp + offs_d[None, :], mask=valid[:, None], other=0.0)
+    return tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
+
+
+@triton.jit
+def _dense_values(vbase, sp, valid, offs_p, offs_v, PV: tl.constexpr, DOT: tl.constexpr):
+    """V of one unquantized block as the PV sub-tiles the accumulators take (channels r,
+    r + PV, ...)."""
+    vptr = vbase + offs_p[:, None] * sp + PV * offs_v[None, :]
+    vm = valid[:, None]
+    v0 = tl.load(vptr, mask=vm, other=0.0).to(DOT)
+    v1 = v0
+    v2 = v0
+    v3 = v0
+    if PV > 1:
+        v1 = tl.load(vptr + 1, mask=vm, other=0.0).to(DOT)
+    if PV > 2:
+        v2 = tl.load(vptr + 2, mask=vm, other=0.0).to(DOT)
+        v3 = tl.load(vptr + 3, mask=vm, other=0.0).to(DOT)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr, NG: tl.constexpr,
+                 GS: tl.constexpr, V_BITS: tl.constexpr, V16: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
+    """V sub-tiles of sealed pages' tokens at pool rows `row` [T] (masked by ok), dequantized
+    in registers, and the probabilities p [rows, T] in the dtype their dot takes: (pv, v0..v3)."""
+    vm = ok[:, None]
+    if V_BITS == 16:
+        v0 = tl.load(VD + row[:, None] * D + offs_v[None, :], mask=vm, other=0.0).to(DOT)
+        v1 = v0
+        v2 = v0
+        v3 = v0
+        pv = p.to(DOT)
+    else:
+        xv = tl.load(VC + row[:, None] * DV + offs_v[None, :], mask=vm, other=0)
+        # column i of every sub-tile is in group i // (GS // PV)
+        # V16 == 2: bf16 when the scales are bf16 and the codes < 128 (exact), saving their conversion
+        VT: tl.constexpr = (tl.bfloat16 if V16 == 2 and V_BITS <= 4 and VS.dtype.element_ty == tl.bfloat16
+                            else tl.float16 if V16 else tl.float32)
+        T: tl.constexpr = row.shape[0]
+        vs = tl.reshape(tl.broadcast_to(_token_groups(VS, row, ok, NG).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
+        vz = tl.reshape(tl.broadcast_to(_token_groups(VZ, row, ok, NG).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
+        if V16:  # 16-bit codes, exact; one 16-bit FMA per value
+            v0 = _codes16(xv, 0, V_BITS, ASM, VT) * vs + vz
+            v1 = v0
+            v2 = v0
+            v3 = v0
+            if PV > 1:
+                v1 = _codes16(xv, 1, V_BITS, ASM, VT) * vs + vz
+            if PV > 2:
+                v2 = _codes16(xv, 2, V_BITS, ASM, VT) * vs + vz
+                v3 = _codes16(xv, 3, V_BITS, ASM, VT) * vs + vz
+            pv = p.to(VT)
+        else:
+            v0 = (_f32(xv, 0, V_BITS) * vs + vz).to(DOT)
+            v1 = v0
+            v2 = v0
+            v3 = v0
+            if PV > 1:
+                v1 = (_f32(xv, 1, V_BITS) * vs + vz).to(DOT)
+            if PV > 2:
+                v2 = (_f32(xv, 2, V_BITS) * vs + vz).to(DOT)
+                v3 = (_f32(xv, 3, V_BITS) * vs + vz).to(DOT)
+            pv = p.to(DOT)
+    return pv, v0, v1, v2, v3
 
 
 # Integers that change from step to step are not specialized: Triton would compile a new
@@ -376,21 +455,10 @@ def _decode_kernel(
                 sp = s_tk_p
                 valid = t < tail_len
                 pos = n_blocks * P + t
-            k = tl.load(kbase + offs_p[:, None] * sp + offs_d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
+            s = _dense_scores(kbase, sp, valid, q, offs_p, offs_d, DOT, PREC)
             s = tl.where((valid & (pos >= start))[None, :], s, float("-inf"))
             m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
-            vptr = vbase + offs_p[:, None] * sp + PV * offs_v[None, :]
-            vm = valid[:, None]
-            v0 = tl.load(vptr, mask=vm, other=0.0).to(DOT)
-            v1 = v0
-            v2 = v0
-            v3 = v0
-            if PV > 1:
-                v1 = tl.load(vptr + 1, mask=vm, other=0.0).to(DOT)
-            if PV > 2:
-                v2 = tl.load(vptr + 2, mask=vm, other=0.0).to(DOT)
-                v3 = tl.load(vptr + 3, mask=vm, other=0.0).to(DOT)
+            v0, v1, v2, v3 = _dense_values(vbase, sp, valid, offs_p, offs_v, PV, DOT)
             a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, p.to(DOT), v0, v1, v2, v3, PV, PREC)
             if ROTATE:
                 r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, p, None, None, None, None, PV, PREC)
@@ -433,44 +501,7 @@ def _decode_kernel(
         s = tl.where((ok & (page * P + i_t >= start))[None, :], s, float("-inf"))
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
         row = (bt * H + h) * P + i_t  # the token's row in the [N * H * P, ...] pool
-        if V_BITS == 16:
-            vm = ok[:, None]
-            v0 = tl.load(VD + row[:, None] * D + offs_v[None, :], mask=vm, other=0.0).to(DOT)
-            v1 = v0
-            v2 = v0
-            v3 = v0
-            pv = p.to(DOT)
-        else:
-            vm = ok[:, None]
-            xv = tl.load(VC + row[:, None] * DV + offs_v[None, :], mask=vm, other=0)
-            # column i of every sub-tile is in group i // (GS // PV)
-            # V16 == 2: bf16 when the scales are bf16 and the codes < 128 (exact), saving their conversion
-            VT: tl.constexpr = (tl.bfloat16 if V16 == 2 and V_BITS <= 4 and VS.dtype.element_ty == tl.bfloat16
-                                else tl.float16 if V16 else tl.float32)
-            vs = tl.reshape(tl.broadcast_to(_token_groups(VS, row, ok, NG).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
-            vz = tl.reshape(tl.broadcast_to(_token_groups(VZ, row, ok, NG).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
-            if V16:  # 16-bit codes, exact; one 16-bit FMA per value
-                v0 = _codes16(xv, 0, V_BITS, ASM, VT) * vs + vz
-                v1 = v0
-                v2 = v0
-                v3 = v0
-                if PV > 1:
-                    v1 = _codes16(xv, 1, V_BITS, ASM, VT) * vs + vz
-                if PV > 2:
-                    v2 = _codes16(xv, 2, V_BITS, ASM, VT) * vs + vz
-                    v3 = _codes16(xv, 3, V_BITS, ASM, VT) * vs + vz
-                pv = p.to(VT)
-            else:
-                v0 = (_f32(xv, 0, V_BITS) * vs + vz).to(DOT)
-                v1 = v0
-                v2 = v0
-                v3 = v0
-                if PV > 1:
-                    v1 = (_f32(xv, 1, V_BITS) * vs + vz).to(DOT)
-                if PV > 2:
-                    v2 = (_f32(xv, 2, V_BITS) * vs + vz).to(DOT)
-                    v3 = (_f32(xv, 3, V_BITS) * vs + vz).to(DOT)
-                pv = p.to(DOT)
+        pv, v0, v1, v2, v3 = _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
         if ROTATE:
             a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, None, None, None, None, PV, PREC)
             r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC)
@@ -494,6 +525,144 @@ def _decode_kernel(
         if done == n_splits - 1:
             _merge_splits(O, LSE, OUT, LOUT, b * H * G + h * G, n_splits, G, GM, SB, D)
             tl.atomic_xchg(COUNT + pid, 0)
+
+
+@triton.jit(do_not_specialize=["stride_qt", "stride_tb", "n_blocks", "n_sink", "tail_len", "C", "blocks_per_split", "n_splits"])
+def _prefill_kernel(
+    Q, QR, TABLE, START,
+    SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, TAIL_K, TAIL_V,
+    O, OR, LSE,
+    stride_qb, stride_qh, stride_qt, stride_tb, s_tk_b, s_tk_h, s_tk_p,
+    n_blocks, n_sink, tail_len, C, blocks_per_split, scale, n_splits,
+    H: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
+    HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
+    WORDS: tl.constexpr, ASM: tl.constexpr,
+):
+    """Prefill chunks over the quantized pages, no bf16 copy of the past: the decode kernel's
+    page walk with M rows = BT query tokens x the G query heads of one KV head (token-major,
+    padded to M). The C queries are the tail's last C tokens (query i at position n_blocks * P
+    + tail_len - C + i); sinks and sealed pages precede all of them, the tail is causal. Grid
+    (row x KV head, query block, split); outputs [B, H*G, C, n_splits, D] and LSE
+    [B, H*G, C, n_splits] (natural log), each split normalized on its own."""
+    PK: tl.constexpr = 1 if K_BITS == 16 else (16 if WORDS and K_BITS >= 4 else 8) // K_BITS
+    PV: tl.constexpr = 1 if V_BITS == 16 else (16 if WORDS and V_BITS >= 4 else 8) // V_BITS
+    DK: tl.constexpr = D // PK
+    DV: tl.constexpr = D // PV
+    NG: tl.constexpr = D // GS
+    pid = tl.program_id(0)
+    rb = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid // H
+    h = pid % H
+    offs_m = tl.arange(0, M)
+    offs_d = tl.arange(0, D)
+    offs_p = tl.arange(0, P)
+    offs_k = tl.arange(0, DK)
+    offs_v = tl.arange(0, DV)
+    t = rb * BT + offs_m // G  # the row's query token in the chunk
+    hq = h * G + offs_m % G  # and its query head
+    rmask = (offs_m < BT * G) & (t < C)
+    qrow = b * stride_qb + hq * stride_qh + t * stride_qt
+    scale = scale * LOG2E  # scores in base 2
+    q = _load_q(Q, 0, qrow, rmask, 0, 1, D, 1, scale)  # unrotated: sinks, tail
+    QP = QR if ROTATE else Q  # the query of the sealed pages
+    qp = _load_q(QP, 0, qrow, rmask, 0, 1, D, 1, scale)
+    qp0 = _load_q(QP, 0, qrow, rmask, 0, PK, DK, 1, scale)
+    qp1 = qp0
+    qp2 = qp0
+    qp3 = qp0
+    if PK > 1:
+        qp1 = _load_q(QP, 0, qrow, rmask, 1, PK, DK, 1, scale)
+    if PK > 2:
+        qp2 = _load_q(QP, 0, qrow, rmask, 2, PK, DK, 1, scale)
+        qp3 = _load_q(QP, 0, qrow, rmask, 3, PK, DK, 1, scale)
+    if K16 >= 3:  # fixed 16-bit queries for K dequantized in registers
+        QT: tl.constexpr = KDT if K16 == 3 else DOT
+        qp0 = qp0.to(QT)
+        qp1 = qp1.to(QT)
+        qp2 = qp2.to(QT)
+        qp3 = qp3.to(QT)
+    start = 0
+    if HAS_START:
+        start = tl.load(START + b)
+    ti = tail_len - C + t  # the query's own index in the tail: it sees tail tokens 0 .. ti
+
+    # logical blocks: sinks [0, n_sink), sealed [n_sink, n_blocks), tail; none past this
+    # program's last query (causal)
+    t_last = tl.minimum(rb * BT + BT, C) - 1
+    total = n_blocks + (tail_len - C + t_last) // P + 1
+    lo = split * blocks_per_split
+    hi = tl.minimum(lo + blocks_per_split, total)
+
+    m_i = tl.full((M,), NEG_BIG, tl.float32)
+    l_i = tl.zeros((M,), tl.float32)
+    a0 = tl.zeros((M, DV), tl.float32)
+    a1 = tl.zeros((M, DV), tl.float32)
+    a2 = tl.zeros((M, DV), tl.float32)
+    a3 = tl.zeros((M, DV), tl.float32)
+    r0 = tl.zeros((M, DV), tl.float32)
+    r1 = tl.zeros((M, DV), tl.float32)
+    r2 = tl.zeros((M, DV), tl.float32)
+    r3 = tl.zeros((M, DV), tl.float32)
+    every = offs_p >= 0
+
+    # 1. sink pages (unquantized, unrotated)
+    for j in range(lo, tl.minimum(hi, n_sink)):
+        blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
+        base = (blk * H + h) * P * D
+        s = _dense_scores(SINK_K + base, D, every, q, offs_p, offs_d, DOT, PREC)
+        s = tl.where((j * P + offs_p >= start)[None, :], s, float("-inf"))
+        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+        v0, v1, v2, v3 = _dense_values(SINK_V + base, D, every, offs_p, offs_v, PV, DOT)
+        a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, p.to(DOT), v0, v1, v2, v3, PV, PREC)
+        if ROTATE:
+            r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, p, None, None, None, None, PV, PREC)
+
+    # 2. sealed pages
+    j0 = tl.maximum(lo, n_sink)
+    j1 = tl.minimum(hi, n_blocks)
+    trow = TABLE + b * stride_tb
+    n0, _, _, _ = _step_ids(trow, j0, j1, 1)
+    for j in range(j0, j1):
+        blk0 = n0.to(tl.int64)
+        n0, _, _, _ = _step_ids(trow, j + 1, j1, 1)
+        s = _page_scores(KD, KC, KS, KZ, blk0 * H + h, 0, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+                         D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
+        s = tl.where((j * P + offs_p >= start)[None, :], s, float("-inf"))
+        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+        row = (blk0 * H + h) * P + offs_p
+        pv, v0, v1, v2, v3 = _page_values(VD, VC, VS, VZ, row, every, p, offs_v, D, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
+        if ROTATE:
+            a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, None, None, None, None, PV, PREC)
+            r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC)
+        else:
+            a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, v0, v1, v2, v3, PV, PREC)
+
+    # 3. the tail (unquantized, unrotated), causal
+    for j in range(tl.maximum(lo, n_blocks), hi):
+        tt = (j - n_blocks) * P + offs_p
+        valid = tt < tail_len
+        base = b * s_tk_b + h * s_tk_h + (j - n_blocks) * P * s_tk_p
+        s = _dense_scores(TAIL_K + base, s_tk_p, valid, q, offs_p, offs_d, DOT, PREC)
+        see = (valid & (n_blocks * P + tt >= start))[None, :] & (tt[None, :] <= ti[:, None])
+        s = tl.where(see, s, float("-inf"))
+        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+        v0, v1, v2, v3 = _dense_values(TAIL_V + base, s_tk_p, valid, offs_p, offs_v, PV, DOT)
+        a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, p.to(DOT), v0, v1, v2, v3, PV, PREC)
+        if ROTATE:
+            r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, p, None, None, None, None, PV, PREC)
+
+    seen = l_i > 0
+    inv = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
+    orow = ((b * H * G + hq) * C + t) * n_splits + split
+    o_off = orow[:, None] * D + PV * offs_v[None, :]
+    om = rmask[:, None]
+    _store(O, o_off, a0, a1, a2, a3, inv, om, PV)
+    if ROTATE:
+        _store(OR, o_off, r0, r1, r2, r3, inv, om, PV)
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
+    tl.store(LSE + orow, lse, mask=rmask)
 
 
 @triton.jit
@@ -574,7 +743,15 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # not lower its registers). maxnreg (0: none) caps registers: capped at 128, int4 128k ran
 # 0.1094-0.1108 ms against 0.1009-0.1054 uncapped.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=True, merge="auto")
+            pages=1, words=True, asm=True, merge="auto",
+            prefill="auto", prefill_staged_from=4096, prefill_rows=64, prefill_programs=2, prefill_warps=8, prefill_stages=2,
+            prefill_k16=4, prefill_v16=False)
+# prefill: "kernel" (paged_prefill_triton: the pages read in place), "staged" (prefill.py: the
+# past dequantized into a bf16 buffer, then SDPA's flash kernel), or "auto": the kernel for
+# chunks under prefill_staged_from tokens. The kernel dequantizes each page once per block of
+# prefill_rows query rows (query tokens x G heads), staging once per chunk; staging's flash
+# kernel is the faster dense attention. prefill_rows, _warps, _stages: the kernel's shape;
+# prefill_programs: programs per SM assumed when splitting the KV length.
 LAST: dict = {}  # the last decode kernel launched (compiled: registers, spills; its grid)
 
 
@@ -663,31 +840,38 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
-    """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None)."""
+class _Setup(NamedTuple):
+    """What both launchers derive from a query [B, H_q, C, D] and a view."""
+    fmt: object
+    q: torch.Tensor  # stride 1 along D
+    qr: torch.Tensor  # q rotated (the query of the sealed pages), or q
+    hmat: torch.Tensor | None
+    table: torch.Tensor  # at least one column
+    n_blocks: int
+    pools: tuple
+    consts: dict  # the constexprs both kernels take
+
+
+def _setup(q, view: PagedView, start, who: str) -> _Setup:
     fmt = view.pages.fmt
     words = TUNE["words"]
     per_v = _per(fmt.v_bits, words)
     if fmt.group_size % per_v:
-        raise BackendUnavailableError(f"triton decode needs group_size divisible by {per_v} at {fmt.v_bits} bits, got {fmt.group_size}")
-    B, Hq, _, D = q.shape
-    H, P = fmt.num_kv_heads, fmt.block_size
-    G = Hq // H
-    q2 = q[:, :, 0]
-    if q2.stride(-1) != 1:
-        q2 = q2.contiguous()
+        raise BackendUnavailableError(f"{who} needs group_size divisible by {per_v} at {fmt.v_bits} bits, got {fmt.group_size}")
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     hmat = hadamard(D, torch.float32, q.device) if fmt.rotate else None
-    qr = (q2.float() @ hmat).to(q2.dtype) if fmt.rotate else q2
+    qr = (q.float() @ hmat).to(q.dtype) if fmt.rotate else q
     table = view.block_table
     n_blocks = table.shape[1]
     if n_blocks == 0:
         table = torch.zeros(B, 1, dtype=torch.int32, device=q.device)
     tail_k, tail_v = view.tail_k, view.tail_v
-    tail_len = tail_k.shape[2]
     if tail_k.stride(-1) != 1 or tail_k.stride() != tail_v.stride():
-        raise ValueError("paged_decode_triton: tail_k/tail_v must be contiguous along D and strided alike")
-    total = n_blocks + (tail_len + P - 1) // P
-    KD, VD, KC, KS, KZ, VC, VS, VZ = kernel_pools(view, "paged_decode_triton", lambda c, bits: _words(c, bits, words))
+        raise ValueError(f"{who}: tail_k/tail_v must be contiguous along D and strided alike")
+    pools = kernel_pools(view, who, lambda c, bits: _words(c, bits, words))
+    KS = pools[3]
     dot = tl.float16 if q.dtype == torch.float16 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32)
     half = dot != tl.float32
     if TUNE["k16"] not in (0, 1, 2, 3) or TUNE["v16"] not in (0, 1, 2):
@@ -699,8 +883,29 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     # in fp16 (bf16 scales and zeros convert exactly within fp16's normal range, 6.1e-5 to
     # 65504; smaller ones lose bits as subnormals, larger ones would overflow)
     kdt = tl.bfloat16 if KS.dtype == torch.bfloat16 and fmt.k_bits <= 4 else tl.float16
+    gpu = q.is_cuda and not _interpreting()
+    consts = dict(H=fmt.num_kv_heads, G=Hq // fmt.num_kv_heads, D=D, P=fmt.block_size, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
+                  GS=fmt.group_size, ROTATE=fmt.rotate, HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
+                  K16=k16, V16=half and TUNE["v16"], KDT=kdt, WORDS=words, ASM=TUNE["asm"] and gpu)
+    return _Setup(fmt, q, qr, hmat, table, n_blocks, pools, consts)
+
+
+def _device(q) -> int | None:
+    return q.device.index if q.device.index is not None else torch.cuda.current_device() if q.is_cuda else None
+
+
+def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
+    """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None)."""
+    st = _setup(q[:, :, 0], view, start, "paged_decode_triton")
+    fmt, q2, qr, hmat, table, n_blocks = st.fmt, st.q, st.qr, st.hmat, st.table, st.n_blocks
+    KD, VD, KC, KS, KZ, VC, VS, VZ = st.pools
+    B, Hq, _, D = q.shape
+    H, P, G = fmt.num_kv_heads, fmt.block_size, st.consts["G"]
+    tail_k, tail_v = view.tail_k, view.tail_v
+    tail_len = tail_k.shape[2]
+    total = n_blocks + (tail_len + P - 1) // P
     sixteen = fmt.k_bits == 16 and fmt.v_bits == 16
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device() if q.is_cuda else None
+    device = _device(q)
     sm = _sm_count(device) if q.is_cuda else 4
     ppsm = TUNE["programs16"] if sixteen else TUNE["programs_per_sm"]
     guess = splits or num_splits(B, H, total, sm, ppsm)
@@ -714,13 +919,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     if TUNE["maxnreg"] and not sixteen and gpu:
         opts["maxnreg"] = TUNE["maxnreg"]  # programs_per_sm programs must fit the register file
     pages_per_step = _pages_per_step(fmt)
-    consts = dict(
-        H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, P=P,
-        K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate,
-        HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
-        K16=k16, V16=half and TUNE["v16"], KDT=kdt, PAGES=pages_per_step,
-        WORDS=words, ASM=TUNE["asm"] and gpu, GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts,
-    )
+    consts = dict(st.consts, G_PAD=max(16, triton.next_power_of_2(G)), PAGES=pages_per_step,
+                  GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -776,4 +976,63 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     if not merge:
         _merge_kernel[(B * Hq,)](o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
                                  out.stride(0), out.stride(1), HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    return out, (lout if return_lse else None)
+
+
+def prefill_path(chunk: int) -> str:
+    """"kernel" or "staged" for a prefill chunk of `chunk` queries, by TUNE["prefill"]."""
+    option = TUNE["prefill"]
+    if option not in ("auto", "kernel", "staged"):
+        raise ValueError(f"TUNE['prefill'] must be 'auto', 'kernel' or 'staged', got {option!r}")
+    if option == "auto":
+        return "staged" if chunk >= TUNE["prefill_staged_from"] else "kernel"
+    return option
+
+
+def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = True):
+    """Prefill chunk over the quantized pages: q [B, H_q, C, D], the tail's last C tokens ->
+    (out [B, H_q, C, D], lse [B, H_q, C] fp32 or None). Sinks and sealed pages are read in
+    place, the tail causally; left padding by `start`. The KV length is split across programs
+    as in decode when the chunk's query blocks alone do not fill the GPU, then merged."""
+    st = _setup(q, view, start, "paged_prefill_triton")
+    fmt, qq, qr, hmat, table, n_blocks = st.fmt, st.q, st.qr, st.hmat, st.table, st.n_blocks
+    B, Hq, C, D = q.shape
+    H, P, G = fmt.num_kv_heads, fmt.block_size, st.consts["G"]
+    tail_k, tail_v = view.tail_k, view.tail_v
+    tail_len = tail_k.shape[2]
+    total = n_blocks + (tail_len + P - 1) // P
+    bt = max(1, TUNE["prefill_rows"] // G)  # query tokens a program
+    n_rb = -(-C // bt)
+    sm = _sm_count(_device(q)) if q.is_cuda else 4
+    splits = num_splits(B * n_rb, H, total, sm, TUNE["prefill_programs"])
+    bps = max(1, math.ceil(total / splits))
+    splits = max(1, math.ceil(total / bps))
+    one = splits == 1 and not fmt.rotate  # the kernel writes the final output
+    o = torch.empty(B, Hq, C, splits, D, dtype=q.dtype if one else torch.float32, device=q.device)
+    o_r = torch.empty_like(o) if fmt.rotate else o
+    lse = torch.empty(B, Hq, C, splits, dtype=torch.float32, device=q.device)
+    _prefill_kernel[(B * H, n_rb, splits)](
+        qq, qr, table, start if start is not None else table,
+        view.sink_k, view.sink_v, *st.pools, tail_k, tail_v, o, o_r, lse,
+        qq.stride(0), qq.stride(1), qq.stride(2), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
+        n_blocks, min(view.n_sink, n_blocks), tail_len, C, bps, scale, splits,
+        BT=bt, M=max(16, triton.next_power_of_2(bt * G)),
+        **dict(st.consts, K16=TUNE["prefill_k16"] if st.consts["K16"] else 0, V16=st.consts["V16"] and TUNE["prefill_v16"]),
+        num_warps=TUNE["prefill_warps"], num_stages=TUNE["prefill_stages"],
+    )
+    if one:
+        return o[:, :, :, 0], (lse[..., 0] if return_lse else None)
+    if fmt.rotate:  # two partial outputs per split; merge in torch, then rotate back
+        m = lse.amax(-1, keepdim=True)
+        w = torch.exp(lse - torch.where(torch.isfinite(m), m, 0.0))
+        denom = w.sum(-1, keepdim=True)
+        w = torch.where(denom > 0, w / torch.where(denom > 0, denom, 1.0), 0.0)
+        out = (o * w[..., None]).sum(3) + (o_r * w[..., None]).sum(3) @ hmat
+        total_lse = torch.where(denom > 0, m + torch.log(torch.where(denom > 0, denom, 1.0)), float("-inf"))[..., 0]
+        return out.to(q.dtype), (total_lse if return_lse else None)
+    out = torch.empty(B, Hq, C, D, dtype=q.dtype, device=q.device)
+    lout = torch.empty(B, Hq, C, dtype=torch.float32, device=q.device)
+    # every (row, query head, token) is one merge row: HQ=1 and row strides
+    _merge_kernel[(B * Hq * C,)](o, lse, out, lout, splits, splits * D, 0, D, splits, 0, D, 0,
+                                 HQ=1, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
     return out, (lout if return_lse else None)

@@ -1,0 +1,70 @@
+"""Sweep the prefill kernel's shape on the GPU against the staged path, one layer.
+
+Usage (GPU machine, repo root): python3 scripts/diag_prefill.py [FORMAT]
+For each (context, chunk) case: the staged path (dense past + SDPA flash) and each kernel
+variant (TUNE's prefill defaults plus overrides), attention only (the chunk appended once
+beforehand), CUDA-event median of 5 after a compile call; each variant's output is checked
+against the staged path's (relative to the output's size). `longctx bench prefill` times the
+whole chunk step (append, attend, seal) for the paths' defaults.
+"""
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+from longctx import KVConfig  # noqa: E402
+from longctx.cache import PagedKVCache  # noqa: E402
+from longctx.ops.paged_attention import triton as K  # noqa: E402
+from longctx.ops.paged_attention.prefill import paged_prefill_staged  # noqa: E402
+
+Hq, H, D = 32, 8, 128
+CASES = [(32768, 512), (131072, 512), (131072, 2048), (131072, 16384)]
+VARIANTS = [{}, {"prefill_rows": 128}, {"prefill_warps": 4}, {"prefill_stages": 3}, {"prefill_k16": 3, "prefill_v16": True}]
+
+
+def ms(fn, reps=5):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return sorted(ts)[reps // 2]
+
+
+def main(fmt="int4"):
+    default = dict(K.TUNE)
+    for T, C in CASES:
+        g = torch.Generator(device="cuda").manual_seed(T)
+        k = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        q = torch.randn(1, Hq, C, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        cache = PagedKVCache(KVConfig(bits=int(fmt[3:]), block_size=64), num_layers=1, num_kv_heads=H, head_dim=D)
+        cache.append(0, k[:, :, : T - C], v[:, :, : T - C])
+        cache.seal()
+        cache.append(0, k[:, :, T - C :], v[:, :, T - C :])
+        view = cache.view(0)
+        ref = paged_prefill_staged(q, view, None)
+        print(f"== {fmt} context {T:,}, chunk {C:,}: staged {ms(lambda: paged_prefill_staged(q, view, None)):.3f} ms", flush=True)
+        for kw in VARIANTS:
+            K.TUNE.clear()
+            K.TUNE.update(default, **kw)
+            try:
+                out, _ = K.paged_prefill_triton(q, view, None, D**-0.5, return_lse=False)
+                err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                print(f"  kernel {kw or 'default'}: {ms(lambda: K.paged_prefill_triton(q, view, None, D**-0.5, return_lse=False)):.3f} ms, "
+                      f"err {err:.1e}", flush=True)
+            except Exception as e:  # a variant that does not compile (shared memory) is reported, not fatal
+                print(f"  kernel {kw}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        K.TUNE.clear()
+        K.TUNE.update(default)
+        del cache, view, k, v, q, ref
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
