@@ -19,7 +19,7 @@ from longctx.ops.paged_attention.prefill import paged_prefill_staged  # noqa: E4
 
 Hq, H, D = 32, 8, 128
 CASES = [(32768, 512), (131072, 512), (131072, 2048), (131072, 16384)]
-VARIANTS = [{}, {"prefill_rows": 128}, {"prefill_warps": 4}, {"prefill_stages": 3}, {"prefill_k16": 3, "prefill_v16": True}]
+VARIANTS = [{}, {"prefill_rows": 64}, {"prefill_rows": 64, "prefill_warps": 4}, {"prefill_stages": 3}, {"prefill_k16": 3, "prefill_v16": True}]
 
 
 def ms(fn, reps=5):

@@ -298,3 +298,15 @@ def test_prefill_kernel_within_budget(case, dtype):
     assert err_kernel <= max(2 * err_ref, FLOOR[dtype]), (err_kernel, err_ref)
     err_lse = (lse[seen] - exact_lse[seen]).abs().max().item()
     assert err_lse <= max(2 * (ref_lse.double()[seen] - exact_lse[seen]).abs().max().item(), FLOOR[dtype]), err_lse
+
+
+def test_prefill_path(monkeypatch):
+    fmt = {bits: fill(KVConfig(bits=bits, block_size=16), 1, 20, 4, 1, 64)[0].view(0).pages.fmt for bits in (4, 8, 16)}
+    staged_from = TUNE["prefill_staged_from"]
+    assert K.prefill_path(staged_from - 1, fmt[4]) == "kernel" and K.prefill_path(staged_from, fmt[4]) == "staged"
+    assert K.prefill_path(8, fmt[8]) == "staged" and K.prefill_path(8, fmt[16]) == "staged"  # staging measured faster there
+    monkeypatch.setitem(TUNE, "prefill", "kernel")
+    assert K.prefill_path(10**6, fmt[16]) == "kernel"
+    monkeypatch.setitem(TUNE, "prefill", "fast")
+    with pytest.raises(ValueError, match="prefill"):
+        K.prefill_path(8, fmt[4])

@@ -64,7 +64,7 @@ def paged_attention(
             from .triton import paged_decode_triton, paged_prefill_triton, prefill_path
 
             if C > 1:  # prefill chunks: the kernel over the pages, or staging + SDPA (prefill.py)
-                path = prefill_path(C)
+                path = prefill_path(C, view.pages.fmt)
                 if path == "staged" and (return_lse or (start is not None and bool((start > 0).any()))):
                     path = "kernel"  # staging + SDPA returns no LSE and takes no left padding
                 if path == "kernel":

@@ -1,6 +1,6 @@
 """Prefill chunks (q_len = C > 1) on the triton backend, the staged path: stage, then a fused
 dense kernel. (The other path reads the pages in place: `paged_prefill_triton` in triton.py;
-`prefill_path` picks one by the chunk's length.)
+`prefill_path` picks one by the chunk's length and the format.)
 
 The sealed past is dequantized by the gather_dequant kernel into one staging buffer of the
 query's dtype, the tail is copied after it, and PyTorch's SDPA runs with a lower-right

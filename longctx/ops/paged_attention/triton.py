@@ -744,14 +744,17 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # 0.1094-0.1108 ms against 0.1009-0.1054 uncapped.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
             pages=1, words=True, asm=True, merge="auto",
-            prefill="auto", prefill_staged_from=4096, prefill_rows=64, prefill_programs=2, prefill_warps=8, prefill_stages=2,
+            prefill="auto", prefill_staged_from=1024, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill: "kernel" (paged_prefill_triton: the pages read in place), "staged" (prefill.py: the
-# past dequantized into a bf16 buffer, then SDPA's flash kernel), or "auto": the kernel for
-# chunks under prefill_staged_from tokens. The kernel dequantizes each page once per block of
-# prefill_rows query rows (query tokens x G heads), staging once per chunk; staging's flash
-# kernel is the faster dense attention. prefill_rows, _warps, _stages: the kernel's shape;
-# prefill_programs: programs per SM assumed when splitting the KV length.
+# past dequantized into a bf16 buffer, then SDPA's flash kernel), or "auto" (`prefill_path`).
+# The kernel dequantizes each page once per block of prefill_rows query rows (query tokens x G
+# heads), staging once per chunk, and staging's flash kernel is the faster dense attention:
+# the kernel wins only on short chunks. Its shape (H200, scripts/diag_prefill.py, int4, 128k
+# past, attention alone): 128 rows and 8 warps 6.53 ms for a 512-token chunk, 25.1 for 2,048,
+# 203 for 16,384; 64 rows and 8 warps 12.7 / 49.9 / 396; 64 rows and 4 warps 6.59 / 26.2 / 216;
+# three stages or 16-bit dequantization (k16=3, v16) slower; staging 7.62 / 19.1 / 101.
+# 128 rows and 8 warps take 255 registers: one program per SM (prefill_programs).
 LAST: dict = {}  # the last decode kernel launched (compiled: registers, spills; its grid)
 
 
@@ -979,13 +982,18 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     return out, (lout if return_lse else None)
 
 
-def prefill_path(chunk: int) -> str:
-    """"kernel" or "staged" for a prefill chunk of `chunk` queries, by TUNE["prefill"]."""
+def prefill_path(chunk: int, fmt) -> str:
+    """"kernel" or "staged" for a prefill chunk of `chunk` queries over pages of format `fmt`
+    (a BlockFormat), by TUNE["prefill"]; "auto" takes the kernel where it measured faster
+    (H200, whole chunk steps of `longctx bench prefill`, notes/decode-kernel.md v10): chunks
+    under prefill_staged_from tokens with a side of 4 bits or fewer, whose dequantization
+    staging pays for in full (int4 512-token chunks: 7.96 against 9.00 ms at 128k; int8 5.24
+    staged against 7.17; 2,048-token chunks and longer staged for both)."""
     option = TUNE["prefill"]
     if option not in ("auto", "kernel", "staged"):
         raise ValueError(f"TUNE['prefill'] must be 'auto', 'kernel' or 'staged', got {option!r}")
     if option == "auto":
-        return "staged" if chunk >= TUNE["prefill_staged_from"] else "kernel"
+        return "kernel" if chunk < TUNE["prefill_staged_from"] and min(fmt.k_bits, fmt.v_bits) <= 4 else "staged"
     return option
 
 
