@@ -254,10 +254,10 @@ def bench_prefill(contexts=(32768, 131072), chunks=(16384,), formats=("int4", "i
     from .ops.paged_attention import triton as kernels
     from .ops.paged_attention.prefill import sdpa_lower_right
 
-    cfgs, Hq, H, D = _setup("prefill", formats, block_size, shape)
     for path in paths:
         if path not in ("kernel", "staged"):
             raise ValueError(f"prefill paths are 'kernel' and 'staged', got {path!r}")
+    cfgs, Hq, H, D = _setup("prefill", formats, block_size, shape)
     rows: list[PrefillRow] = []
     for T in contexts:
         g = torch.Generator(device=device).manual_seed(T)

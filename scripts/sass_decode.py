@@ -43,7 +43,8 @@ def compile_decode(a):
     gm = triton.next_power_of_2(G)
     const = dict(H=a.kv_heads, G=G, G_PAD=max(16, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.bits, GS=a.group_size,
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
-                 WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)))
+                 WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
+                 PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words))
     if a.prefill:  # the prefill kernel: a.prefill rows (query tokens x G heads) a program
         bt = max(1, a.prefill // G)
         const.update(BT=bt, M=max(16, triton.next_power_of_2(bt * G)))

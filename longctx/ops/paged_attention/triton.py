@@ -362,6 +362,71 @@ def _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D: tl.constexpr, DV: tl.con
     return pv, v0, v1, v2, v3
 
 
+@triton.jit
+def _load_queries(Q, QR, base, rows, rmask, stride, scale, D: tl.constexpr, PK: tl.constexpr, DK: tl.constexpr,
+                  ROTATE: tl.constexpr, K16: tl.constexpr, KDT: tl.constexpr, DOT: tl.constexpr):
+    """The query rows (offsets `rows` * stride from base, masked by rmask) as the kernels use
+    them, scaled: q unrotated [rows, D] (sinks, tail), qp [rows, D] and its PK sub-tiles
+    qp0..qp3 [rows, DK] for the sealed pages (rotated with ROTATE), the sub-tiles in the
+    16-bit type K is dequantized into when K16 >= 3."""
+    q = _load_q(Q, base, rows, rmask, 0, 1, D, stride, scale)
+    QP = QR if ROTATE else Q
+    qp = _load_q(QP, base, rows, rmask, 0, 1, D, stride, scale)
+    qp0 = _load_q(QP, base, rows, rmask, 0, PK, DK, stride, scale)
+    qp1 = qp0
+    qp2 = qp0
+    qp3 = qp0
+    if PK > 1:
+        qp1 = _load_q(QP, base, rows, rmask, 1, PK, DK, stride, scale)
+    if PK > 2:
+        qp2 = _load_q(QP, base, rows, rmask, 2, PK, DK, stride, scale)
+        qp3 = _load_q(QP, base, rows, rmask, 3, PK, DK, stride, scale)
+    if K16 >= 3:  # fixed 16-bit queries for K dequantized in registers
+        QT: tl.constexpr = KDT if K16 == 3 else DOT
+        qp0 = qp0.to(QT)
+        qp1 = qp1.to(QT)
+        qp2 = qp2.to(QT)
+        qp3 = qp3.to(QT)
+    return q, qp, qp0, qp1, qp2, qp3
+
+
+@triton.jit
+def _zero_state(M: tl.constexpr, DV: tl.constexpr):
+    """Online-softmax state of M rows: running max, sum, and the PV sub-tile accumulators,
+    unrotated (a0..a3) and rotated (r0..r3: sealed pages when ROTATE)."""
+    z = tl.zeros((M, DV), tl.float32)
+    return tl.full((M,), NEG_BIG, tl.float32), tl.zeros((M,), tl.float32), z, z, z, z, z, z, z, z
+
+
+@triton.jit
+def _acc_sealed(a0, a1, a2, a3, r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV: tl.constexpr, PREC: tl.constexpr,
+                ROTATE: tl.constexpr):
+    """Accumulate a sealed page's p @ v: into the rotated accumulators with ROTATE (the
+    unrotated ones only rescaled), else into the unrotated ones."""
+    if ROTATE:
+        a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, None, None, None, None, PV, PREC)
+        r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC)
+    else:
+        a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, v0, v1, v2, v3, PV, PREC)
+    return a0, a1, a2, a3, r0, r1, r2, r3
+
+
+@triton.jit
+def _finish(O, OR, LSE, orow, omask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D: tl.constexpr, PV: tl.constexpr,
+            ROTATE: tl.constexpr):
+    """Store the normalized outputs (rows orow of [*, D] O, and OR with ROTATE) and the
+    natural-log LSE (-inf and zeros for rows that saw no key)."""
+    seen = l_i > 0
+    inv = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
+    o_off = orow[:, None] * D + PV * offs_v[None, :]
+    om = omask[:, None]
+    _store(O, o_off, a0, a1, a2, a3, inv, om, PV)
+    if ROTATE:
+        _store(OR, o_off, r0, r1, r2, r3, inv, om, PV)
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
+    tl.store(LSE + orow, lse, mask=omask)
+
+
 # Integers that change from step to step are not specialized: Triton would compile a new
 # variant the first time each turns 1 or a multiple of 16 (tail_len does within 16 steps).
 @triton.jit(do_not_specialize=["stride_tb", "n_blocks", "n_sink", "tail_len", "blocks_per_split", "n_splits"])
@@ -375,15 +440,13 @@ def _decode_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
+    PK: tl.constexpr, PV: tl.constexpr,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
     n_splits, D] and LSE [B, H*G, n_splits]; with MERGE also the merged OUT [B, H*G, D] and
     LOUT [B, H*G] (COUNT: int32 zeros per row and KV head, left at zero). K16/V16: quantized
     K/V go through fp16 dots (DOT is 16-bit), else through DOT with fp32 dequantization."""
-    # sub-tiles per side: codes per load word (int16 words for 8 and 4 bits when WORDS)
-    PK: tl.constexpr = 1 if K_BITS == 16 else (16 if WORDS and K_BITS >= 4 else 8) // K_BITS
-    PV: tl.constexpr = 1 if V_BITS == 16 else (16 if WORDS and V_BITS >= 4 else 8) // V_BITS
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
@@ -398,24 +461,7 @@ def _decode_kernel(
     offs_v = tl.arange(0, DV)
     gmask = offs_g < G
     qbase = b * stride_qb + h * G * stride_qh
-    scale = scale * LOG2E  # scores in base 2
-    q = _load_q(Q, qbase, offs_g, gmask, 0, 1, D, stride_qh, scale)  # unrotated: sinks, tail
-    QP = QR if ROTATE else Q  # the query of the sealed pages
-    qp = _load_q(QP, qbase, offs_g, gmask, 0, 1, D, stride_qh, scale)
-    qp0 = _load_q(QP, qbase, offs_g, gmask, 0, PK, DK, stride_qh, scale)
-    qp1 = qp0
-    qp2 = qp0
-    qp3 = qp0
-    if PK > 1:
-        qp1 = _load_q(QP, qbase, offs_g, gmask, 1, PK, DK, stride_qh, scale)
-    if PK > 2:
-        qp2 = _load_q(QP, qbase, offs_g, gmask, 2, PK, DK, stride_qh, scale)
-        qp3 = _load_q(QP, qbase, offs_g, gmask, 3, PK, DK, stride_qh, scale)
-    if K16 == 3:  # fixed 16-bit queries for K dequantized in KDT
-        qp0 = qp0.to(KDT)
-        qp1 = qp1.to(KDT)
-        qp2 = qp2.to(KDT)
-        qp3 = qp3.to(KDT)
+    q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, qbase, offs_g, gmask, stride_qh, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT)
     start = 0
     if HAS_START:
         start = tl.load(START + b)
@@ -424,17 +470,7 @@ def _decode_kernel(
     lo = split * blocks_per_split
     hi = tl.minimum(lo + blocks_per_split, total)
 
-    m_i = tl.full((G_PAD,), NEG_BIG, tl.float32)
-    l_i = tl.zeros((G_PAD,), tl.float32)
-    # a*: unrotated output per V sub-tile; r*: rotated (sealed pages when ROTATE)
-    a0 = tl.zeros((G_PAD, DV), tl.float32)
-    a1 = tl.zeros((G_PAD, DV), tl.float32)
-    a2 = tl.zeros((G_PAD, DV), tl.float32)
-    a3 = tl.zeros((G_PAD, DV), tl.float32)
-    r0 = tl.zeros((G_PAD, DV), tl.float32)
-    r1 = tl.zeros((G_PAD, DV), tl.float32)
-    r2 = tl.zeros((G_PAD, DV), tl.float32)
-    r3 = tl.zeros((G_PAD, DV), tl.float32)
+    m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _zero_state(G_PAD, DV)
 
     # 1. + 3. unquantized, unrotated blocks: sink pages, then the tail after the table
     for j in range(lo, hi):
@@ -502,21 +538,9 @@ def _decode_kernel(
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
         row = (bt * H + h) * P + i_t  # the token's row in the [N * H * P, ...] pool
         pv, v0, v1, v2, v3 = _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
-        if ROTATE:
-            a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, None, None, None, None, PV, PREC)
-            r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC)
-        else:
-            a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, v0, v1, v2, v3, PV, PREC)
+        a0, a1, a2, a3, r0, r1, r2, r3 = _acc_sealed(a0, a1, a2, a3, r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC, ROTATE)
 
-    seen = l_i > 0
-    inv = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
-    o_off = ((b * H * G + h * G + offs_g)[:, None] * n_splits + split) * D + PV * offs_v[None, :]
-    om = gmask[:, None]
-    _store(O, o_off, a0, a1, a2, a3, inv, om, PV)
-    if ROTATE:
-        _store(OR, o_off, r0, r1, r2, r3, inv, om, PV)
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
-    tl.store(LSE + (b * H * G + h * G + offs_g) * n_splits + split, lse, mask=gmask)
+    _finish(O, OR, LSE, (b * H * G + h * G + offs_g) * n_splits + split, gmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE)
     if MERGE:
         # The last split of this (row, KV head) to finish merges all of them (no second
         # launch). COUNT[pid] counts finished splits; the merger sets it back to 0.
@@ -537,7 +561,7 @@ def _prefill_kernel(
     H: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
-    WORDS: tl.constexpr, ASM: tl.constexpr,
+    WORDS: tl.constexpr, ASM: tl.constexpr, PK: tl.constexpr, PV: tl.constexpr,
 ):
     """Prefill chunks over the quantized pages, no bf16 copy of the past: the decode kernel's
     page walk with M rows = BT query tokens x the G query heads of one KV head (token-major,
@@ -545,16 +569,13 @@ def _prefill_kernel(
     + tail_len - C + i); sinks and sealed pages precede all of them, the tail is causal. Grid
     (row x KV head, query block, split); outputs [B, H*G, C, n_splits, D] and LSE
     [B, H*G, C, n_splits] (natural log), each split normalized on its own."""
-    PK: tl.constexpr = 1 if K_BITS == 16 else (16 if WORDS and K_BITS >= 4 else 8) // K_BITS
-    PV: tl.constexpr = 1 if V_BITS == 16 else (16 if WORDS and V_BITS >= 4 else 8) // V_BITS
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
-    pid = tl.program_id(0)
+    b = tl.program_id(0) // H
+    h = tl.program_id(0) % H
     rb = tl.program_id(1)
     split = tl.program_id(2)
-    b = pid // H
-    h = pid % H
     offs_m = tl.arange(0, M)
     offs_d = tl.arange(0, D)
     offs_p = tl.arange(0, P)
@@ -564,25 +585,7 @@ def _prefill_kernel(
     hq = h * G + offs_m % G  # and its query head
     rmask = (offs_m < BT * G) & (t < C)
     qrow = b * stride_qb + hq * stride_qh + t * stride_qt
-    scale = scale * LOG2E  # scores in base 2
-    q = _load_q(Q, 0, qrow, rmask, 0, 1, D, 1, scale)  # unrotated: sinks, tail
-    QP = QR if ROTATE else Q  # the query of the sealed pages
-    qp = _load_q(QP, 0, qrow, rmask, 0, 1, D, 1, scale)
-    qp0 = _load_q(QP, 0, qrow, rmask, 0, PK, DK, 1, scale)
-    qp1 = qp0
-    qp2 = qp0
-    qp3 = qp0
-    if PK > 1:
-        qp1 = _load_q(QP, 0, qrow, rmask, 1, PK, DK, 1, scale)
-    if PK > 2:
-        qp2 = _load_q(QP, 0, qrow, rmask, 2, PK, DK, 1, scale)
-        qp3 = _load_q(QP, 0, qrow, rmask, 3, PK, DK, 1, scale)
-    if K16 >= 3:  # fixed 16-bit queries for K dequantized in registers
-        QT: tl.constexpr = KDT if K16 == 3 else DOT
-        qp0 = qp0.to(QT)
-        qp1 = qp1.to(QT)
-        qp2 = qp2.to(QT)
-        qp3 = qp3.to(QT)
+    q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, 0, qrow, rmask, 1, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT)
     start = 0
     if HAS_START:
         start = tl.load(START + b)
@@ -595,16 +598,7 @@ def _prefill_kernel(
     lo = split * blocks_per_split
     hi = tl.minimum(lo + blocks_per_split, total)
 
-    m_i = tl.full((M,), NEG_BIG, tl.float32)
-    l_i = tl.zeros((M,), tl.float32)
-    a0 = tl.zeros((M, DV), tl.float32)
-    a1 = tl.zeros((M, DV), tl.float32)
-    a2 = tl.zeros((M, DV), tl.float32)
-    a3 = tl.zeros((M, DV), tl.float32)
-    r0 = tl.zeros((M, DV), tl.float32)
-    r1 = tl.zeros((M, DV), tl.float32)
-    r2 = tl.zeros((M, DV), tl.float32)
-    r3 = tl.zeros((M, DV), tl.float32)
+    m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _zero_state(M, DV)
     every = offs_p >= 0
 
     # 1. sink pages (unquantized, unrotated)
@@ -633,11 +627,7 @@ def _prefill_kernel(
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
         row = (blk0 * H + h) * P + offs_p
         pv, v0, v1, v2, v3 = _page_values(VD, VC, VS, VZ, row, every, p, offs_v, D, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
-        if ROTATE:
-            a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, None, None, None, None, PV, PREC)
-            r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC)
-        else:
-            a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, v0, v1, v2, v3, PV, PREC)
+        a0, a1, a2, a3, r0, r1, r2, r3 = _acc_sealed(a0, a1, a2, a3, r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC, ROTATE)
 
     # 3. the tail (unquantized, unrotated), causal
     for j in range(tl.maximum(lo, n_blocks), hi):
@@ -653,16 +643,7 @@ def _prefill_kernel(
         if ROTATE:
             r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, p, None, None, None, None, PV, PREC)
 
-    seen = l_i > 0
-    inv = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
-    orow = ((b * H * G + hq) * C + t) * n_splits + split
-    o_off = orow[:, None] * D + PV * offs_v[None, :]
-    om = rmask[:, None]
-    _store(O, o_off, a0, a1, a2, a3, inv, om, PV)
-    if ROTATE:
-        _store(OR, o_off, r0, r1, r2, r3, inv, om, PV)
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
-    tl.store(LSE + orow, lse, mask=rmask)
+    _finish(O, OR, LSE, ((b * H * G + hq) * C + t) * n_splits + split, rmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE)
 
 
 @triton.jit
@@ -889,12 +870,26 @@ def _setup(q, view: PagedView, start, who: str) -> _Setup:
     gpu = q.is_cuda and not _interpreting()
     consts = dict(H=fmt.num_kv_heads, G=Hq // fmt.num_kv_heads, D=D, P=fmt.block_size, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
                   GS=fmt.group_size, ROTATE=fmt.rotate, HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
-                  K16=k16, V16=half and TUNE["v16"], KDT=kdt, WORDS=words, ASM=TUNE["asm"] and gpu)
+                  K16=k16, V16=half and TUNE["v16"], KDT=kdt, WORDS=words, ASM=TUNE["asm"] and gpu,
+                  # sub-tiles per side: codes per load word (int16 words for 8 and 4 bits when WORDS)
+                  PK=_per(fmt.k_bits, words), PV=per_v)
     return _Setup(fmt, q, qr, hmat, table, n_blocks, pools, consts)
 
 
 def _device(q) -> int | None:
     return q.device.index if q.device.index is not None else torch.cuda.current_device() if q.is_cuda else None
+
+
+def _merge_rotated(o, o_r, lse, hmat):
+    """Splits' two partial outputs (unrotated o, rotated o_r [..., S, D], each normalized on
+    its own) merged in torch by their LSE [..., S], the rotated part rotated back: (out
+    [..., D] fp32, lse [..., 1], -inf where no split saw a key)."""
+    m = lse.amax(-1, keepdim=True)
+    w = torch.exp(lse - torch.where(torch.isfinite(m), m, 0.0))
+    denom = w.sum(-1, keepdim=True)
+    w = torch.where(denom > 0, w / torch.where(denom > 0, denom, 1.0), 0.0)
+    out = (o * w[..., None]).sum(-2) + (o_r * w[..., None]).sum(-2) @ hmat
+    return out, torch.where(denom > 0, m + torch.log(torch.where(denom > 0, denom, 1.0)), float("-inf"))
 
 
 def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
@@ -968,13 +963,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     splits, merged, merge, o, o_r, lse, out, lout = launch(splits)
     if merged:
         return o, (lse if return_lse else None)
-    if fmt.rotate:  # two partial outputs per split; merge in torch, then rotate back
-        m = lse.amax(-1, keepdim=True)
-        w = torch.exp(lse - torch.where(torch.isfinite(m), m, 0.0))
-        denom = w.sum(-1, keepdim=True)
-        w = torch.where(denom > 0, w / torch.where(denom > 0, denom, 1.0), 0.0)
-        out = (o * w[..., None]).sum(2) + (o_r * w[..., None]).sum(2) @ hmat
-        total_lse = torch.where(denom > 0, m + torch.log(torch.where(denom > 0, denom, 1.0)), float("-inf"))
+    if fmt.rotate:
+        out, total_lse = _merge_rotated(o, o_r, lse, hmat)
         return out[:, :, None].to(q.dtype), (total_lse if return_lse else None)
     if not merge:
         _merge_kernel[(B * Hq,)](o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
@@ -1030,14 +1020,9 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     )
     if one:
         return o[:, :, :, 0], (lse[..., 0] if return_lse else None)
-    if fmt.rotate:  # two partial outputs per split; merge in torch, then rotate back
-        m = lse.amax(-1, keepdim=True)
-        w = torch.exp(lse - torch.where(torch.isfinite(m), m, 0.0))
-        denom = w.sum(-1, keepdim=True)
-        w = torch.where(denom > 0, w / torch.where(denom > 0, denom, 1.0), 0.0)
-        out = (o * w[..., None]).sum(3) + (o_r * w[..., None]).sum(3) @ hmat
-        total_lse = torch.where(denom > 0, m + torch.log(torch.where(denom > 0, denom, 1.0)), float("-inf"))[..., 0]
-        return out.to(q.dtype), (total_lse if return_lse else None)
+    if fmt.rotate:
+        out, total_lse = _merge_rotated(o, o_r, lse, hmat)
+        return out.to(q.dtype), (total_lse[..., 0] if return_lse else None)
     out = torch.empty(B, Hq, C, D, dtype=q.dtype, device=q.device)
     lout = torch.empty(B, Hq, C, dtype=torch.float32, device=q.device)
     # every (row, query head, token) is one merge row: HQ=1 and row strides
