@@ -204,7 +204,8 @@ def activation_bytes(shape: ModelShape, chunk: int, context: int, batch: int = 1
     """Peak transient memory of one prefill chunk of `chunk` tokens at `context` tokens:
     the layer's hidden states, q/k/v, the gated MLP's three intermediate tensors (bf16),
     last-position logits (fp32), and the dense bf16 staging copy of one layer's past that
-    prefill attention reads (it grows with the context)."""
+    staged prefill attention reads (it grows with the context; counted for every chunk, an
+    upper bound where the triton backend reads the pages in place instead)."""
     hidden = chunk * shape.hidden * 2 * 4
     qkv = chunk * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * 2
     mlp = chunk * shape.intermediate * 2 * 3
