@@ -253,23 +253,25 @@ def test_head_dims_the_kernels_cannot_tile_go_to_the_reference():
 
 
 # Prefill chunks through the kernel over the pages: (B, T, C, Hq, Hkv, D, block, cfg kwargs,
-# padding). The launcher splits the KV length where the query blocks alone leave the GPU (4
-# "SMs" under the interpreter) idle, so most cases merge splits; the C=130 case runs one.
+# padding, splits). Splits None: the launcher's choice, which splits the KV length where the
+# query blocks alone leave the GPU (4 "SMs" under the interpreter) idle (the C=7 and C=9
+# cases); the rotated cases merge in torch, the others in the merge kernel.
 KERNEL_PREFILL = [
-    (1, 100, 7, 4, 2, 64, 16, dict(bits=4), False),
-    (2, 150, 20, 9, 3, 64, 16, dict(bits=4), True),
-    (1, 300, 33, 4, 4, 64, 16, dict(bits=2, rotate=True), False),
-    (2, 200, 16, 8, 2, 128, 64, dict(bits=8), True),
-    (1, 130, 40, 8, 1, 64, 16, dict(bits=16), False),
-    (2, 97, 5, 4, 1, 64, 32, dict(bits=4, k_bits=8, rotate=True), True),
-    (1, 120, 9, 4, 2, 64, 16, dict(bits=4, sink_blocks=0), False),
-    (1, 200, 130, 8, 2, 64, 16, dict(bits=4), False),
+    (1, 100, 7, 4, 2, 64, 16, dict(bits=4), False, None),
+    (2, 150, 20, 9, 3, 64, 16, dict(bits=4), True, 3),
+    (1, 300, 33, 4, 4, 64, 16, dict(bits=2, rotate=True), False, 4),
+    (2, 200, 16, 8, 2, 128, 64, dict(bits=8), True, None),
+    (1, 130, 40, 8, 1, 64, 16, dict(bits=16), False, 2),
+    (2, 97, 5, 4, 1, 64, 32, dict(bits=4, k_bits=8, rotate=True), True, None),
+    (1, 120, 9, 4, 2, 64, 16, dict(bits=4, sink_blocks=0), False, None),
+    (1, 200, 130, 8, 2, 64, 16, dict(bits=4), False, None),
 ]
 
 
 def prefill_id(c):
-    B, T, C, Hq, Hkv, D, P, kw, pad = c
-    return f"B{B}-T{T}-C{C}-H{Hq}/{Hkv}-D{D}-P{P}-{KVConfig(**kw).describe()}" + ("" if kw.get("sink_blocks", 1) else "-nosink") + ("-pad" if pad else "")
+    B, T, C, Hq, Hkv, D, P, kw, pad, sp = c
+    return (f"B{B}-T{T}-C{C}-H{Hq}/{Hkv}-D{D}-P{P}-{KVConfig(**kw).describe()}" + ("" if kw.get("sink_blocks", 1) else "-nosink")
+            + ("-pad" if pad else "") + (f"-s{sp}" if sp else ""))
 
 
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
@@ -277,14 +279,14 @@ def prefill_id(c):
 def test_prefill_kernel_within_budget(case, dtype):
     """The kernel alone, with splits, GQA, rotation, mixed bits, no sinks, left padding
     (row 1 starts inside the chunk) and the LSE."""
-    B, T, C, Hq, Hkv, D, P, kw, pad = case
+    B, T, C, Hq, Hkv, D, P, kw, pad, sp = case
     cfg = KVConfig(block_size=P, **kw)
     cache, k, v = fill(cfg, B, T, C, Hkv, D, dtype=dtype, seed=T)
     view = _to(cache.view(0), DEVICE)
     q = torch.randn(B, Hq, C, D, generator=torch.Generator().manual_seed(T + 2)).to(dtype)
     # row 1 of a padded batch starts inside the chunk: its first queries see nothing
     start = torch.tensor([min(4 * b + 1, T - 1) if b == 0 else T - C + 2 for b in range(B)], dtype=torch.int32) if pad else None
-    out, lse = K.paged_prefill_triton(q.to(DEVICE), view, start.to(DEVICE) if pad else None, D**-0.5)
+    out, lse = K.paged_prefill_triton(q.to(DEVICE), view, start.to(DEVICE) if pad else None, D**-0.5, splits=sp)
     ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
     k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T - C)
     exact_out, exact_lse = attention_fp64(q, k_exp, v_exp, start)

@@ -987,11 +987,12 @@ def prefill_path(chunk: int, fmt) -> str:
     return option
 
 
-def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = True):
+def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
     """Prefill chunk over the quantized pages: q [B, H_q, C, D], the tail's last C tokens ->
     (out [B, H_q, C, D], lse [B, H_q, C] fp32 or None). Sinks and sealed pages are read in
     place, the tail causally; left padding by `start`. The KV length is split across programs
-    as in decode when the chunk's query blocks alone do not fill the GPU, then merged."""
+    as in decode when the chunk's query blocks alone do not fill the GPU (or into `splits`),
+    then merged."""
     st = _setup(q, view, start, "paged_prefill_triton")
     fmt, qq, qr, hmat, table, n_blocks = st.fmt, st.q, st.qr, st.hmat, st.table, st.n_blocks
     B, Hq, C, D = q.shape
@@ -1002,7 +1003,7 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     bt = max(1, TUNE["prefill_rows"] // G)  # query tokens a program
     n_rb = -(-C // bt)
     sm = _sm_count(_device(q)) if q.is_cuda else 4
-    splits = num_splits(B * n_rb, H, total, sm, TUNE["prefill_programs"])
+    splits = splits or num_splits(B * n_rb, H, total, sm, TUNE["prefill_programs"])
     bps = max(1, math.ceil(total / splits))
     splits = max(1, math.ceil(total / bps))
     one = splits == 1 and not fmt.rotate  # the kernel writes the final output
