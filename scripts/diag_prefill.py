@@ -16,7 +16,7 @@ sys.path.insert(0, ".")
 from longctx import KVConfig  # noqa: E402
 from longctx.cache import PagedKVCache  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
-from longctx.ops.paged_attention.prefill import paged_prefill_staged  # noqa: E402
+from longctx.ops.paged_attention.prefill import paged_prefill_staged, paged_prefill_triton  # noqa: E402
 
 Hq, H, D = 32, 8, 128
 CASES = [(32768, 512), (131072, 512), (131072, 2048), (131072, 16384)]
@@ -56,9 +56,9 @@ def main(fmt="int4"):
             K.TUNE.clear()
             K.TUNE.update(default, **kw)
             try:
-                out, _ = K.paged_prefill_triton(q, view, None, D**-0.5, return_lse=False)
+                out, _ = paged_prefill_triton(q, view, None, D**-0.5, return_lse=False)
                 err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                t = ms(lambda q=q, view=view: K.paged_prefill_triton(q, view, None, D**-0.5, return_lse=False))
+                t = ms(lambda q=q, view=view: paged_prefill_triton(q, view, None, D**-0.5, return_lse=False))
                 print(f"  kernel {kw or 'default'}: {t:.3f} ms, err {err:.1e}", flush=True)
             except OutOfResources as e:  # a variant over the shared memory or registers is reported, not fatal
                 print(f"  kernel {kw}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)

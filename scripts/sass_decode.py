@@ -28,13 +28,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from longctx.ops.paged_attention import prefill as PF  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
 
 POINTERS = {"TABLE": "*i32", "START": "*i32", "O": "*fp32", "OR": "*fp32", "LSE": "*fp32", "LOUT": "*fp32", "COUNT": "*i32"}
 
 
 def compile_decode(a):
-    fn = K._prefill_kernel if a.prefill else K._decode_kernel
+    fn = PF._prefill_kernel if a.prefill else K._decode_kernel
     names = list(inspect.signature(fn.fn).parameters)
     words = a.words and a.bits in (4, 8)
     code = "*i16" if words else "*u8"

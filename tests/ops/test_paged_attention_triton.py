@@ -151,8 +151,7 @@ def test_triton_prefill_within_budget(case, dtype, path, monkeypatch):
     cache, k, v = fill(cfg, B, T, C, Hkv, D, dtype=dtype, seed=T)
     q = torch.randn(B, Hq, C, D, generator=torch.Generator().manual_seed(T + 2)).to(dtype)
     monkeypatch.setitem(TUNE, "prefill", path)
-    other = "paged_prefill_staged" if path == "kernel" else "paged_prefill_triton"
-    monkeypatch.setattr(prefill if path == "kernel" else K, other, _never)
+    monkeypatch.setattr(prefill, "paged_prefill_staged" if path == "kernel" else "paged_prefill_triton", _never)
     out, lse = paged_attention(q.to(DEVICE), _to(cache.view(0), DEVICE), start=torch.zeros(B, dtype=torch.int32, device=DEVICE),
                                backend="triton", return_lse=False)
     assert lse is None and out.shape == q.shape and out.dtype == dtype
@@ -286,7 +285,7 @@ def test_prefill_kernel_within_budget(case, dtype):
     q = torch.randn(B, Hq, C, D, generator=torch.Generator().manual_seed(T + 2)).to(dtype)
     # row 1 of a padded batch starts inside the chunk: its first queries see nothing
     start = torch.tensor([min(4 * b + 1, T - 1) if b == 0 else T - C + 2 for b in range(B)], dtype=torch.int32) if pad else None
-    out, lse = K.paged_prefill_triton(q.to(DEVICE), view, start.to(DEVICE) if pad else None, D**-0.5, splits=sp)
+    out, lse = prefill.paged_prefill_triton(q.to(DEVICE), view, start.to(DEVICE) if pad else None, D**-0.5, splits=sp)
     ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
     k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T - C)
     exact_out, exact_lse = attention_fp64(q, k_exp, v_exp, start)
@@ -305,10 +304,10 @@ def test_prefill_kernel_within_budget(case, dtype):
 def test_prefill_path(monkeypatch):
     fmt = {bits: fill(KVConfig(bits=bits, block_size=16), 1, 20, 4, 1, 64)[0].view(0).pages.fmt for bits in (4, 8, 16)}
     staged_from = TUNE["prefill_staged_from"]
-    assert K.prefill_path(staged_from - 1, fmt[4]) == "kernel" and K.prefill_path(staged_from, fmt[4]) == "staged"
-    assert K.prefill_path(8, fmt[8]) == "staged" and K.prefill_path(8, fmt[16]) == "staged"  # staging measured faster there
+    assert prefill.prefill_path(staged_from - 1, fmt[4]) == "kernel" and prefill.prefill_path(staged_from, fmt[4]) == "staged"
+    assert prefill.prefill_path(8, fmt[8]) == "staged" and prefill.prefill_path(8, fmt[16]) == "staged"  # staging measured faster there
     monkeypatch.setitem(TUNE, "prefill", "kernel")
-    assert K.prefill_path(10**6, fmt[16]) == "kernel"
+    assert prefill.prefill_path(10**6, fmt[16]) == "kernel"
     monkeypatch.setitem(TUNE, "prefill", "fast")
     with pytest.raises(ValueError, match="prefill"):
-        K.prefill_path(8, fmt[4])
+        prefill.prefill_path(8, fmt[4])

@@ -61,17 +61,16 @@ def paged_attention(
 
             return paged_attention_reference(q, view, start, scale, return_lse)
         case "triton":
-            from .triton import paged_decode_triton, paged_prefill_triton, prefill_path
-
             if C > 1:  # prefill chunks: the kernel over the pages, or staging + SDPA (prefill.py)
-                path = prefill_path(C, view.pages.fmt)
+                from . import prefill
+
+                path = prefill.prefill_path(C, view.pages.fmt)
                 if path == "staged" and (return_lse or (start is not None and bool((start > 0).any()))):
                     path = "kernel"  # staging + SDPA returns no LSE and takes no left padding
                 if path == "kernel":
-                    return paged_prefill_triton(q, view, start, D**-0.5 if scale is None else scale, return_lse)
-                from .prefill import paged_prefill_staged
-
-                return paged_prefill_staged(q, view, scale), None
+                    return prefill.paged_prefill_triton(q, view, start, D**-0.5 if scale is None else scale, return_lse)
+                return prefill.paged_prefill_staged(q, view, scale), None
+            from .triton import paged_decode_triton
 
             return paged_decode_triton(q, view, start, D**-0.5 if scale is None else scale, return_lse)
         case "flex":

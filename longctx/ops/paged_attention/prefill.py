@@ -1,28 +1,37 @@
-"""Prefill chunks (q_len = C > 1) on the triton backend, the staged path: stage, then a fused
-dense kernel. (The other path reads the pages in place: `paged_prefill_triton` in triton.py;
-`prefill_path` picks one by the chunk's length and the format.)
+"""Prefill chunks (q_len = C > 1) on the triton backend, two paths; `prefill_path` picks one
+by the chunk's length and the format (TUNE in triton.py).
 
-The sealed past is dequantized by the gather_dequant kernel into one staging buffer of the
-query's dtype, the tail is copied after it, and PyTorch's SDPA runs with a lower-right
-causal mask (query i of C sits at position T - C + i) — its flash kernel on CUDA. The
-staging buffer is one layer's past at a time and is freed when the layer returns, so a
-128k-token prompt prefilled in chunks never holds more than one layer's dense K/V.
-
-GQA runs as G calls of plain multi-head attention (the query heads g, g+G, ... pair with
+Staged (`paged_prefill_staged`): the sealed past is dequantized by the gather_dequant kernel
+into one staging buffer of the query's dtype, the tail is copied after it, and PyTorch's SDPA
+runs with a lower-right causal mask (query i of C sits at position T - C + i): its flash
+kernel on CUDA. The staging buffer is one layer's past at a time and is freed when the layer
+returns, so a 128k-token prompt prefilled in chunks never holds more than one layer's dense
+K/V. GQA runs as G calls of plain multi-head attention (the query heads g, g+G, ... pair with
 KV heads 0, 1, ...), so no kernel ever needs a GQA mode or a repeated K/V.
 
-Rows with left padding (start given) and callers that need the LSE take the kernel path:
-the padding mask is per row, and the flash kernel does not return the LSE.
+In place (`paged_prefill_triton`): the decode kernel's page walk (triton_tiles.py) for a block
+of query tokens, no copy of the past; it also serves rows with left padding (start given) and
+callers that need the LSE, which the flash kernel cannot (the padding mask is per row, and it
+does not return the LSE).
+
+Never imports the reference; tests compare the two (tests/ops/test_paged_attention_triton.py).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
 from ..gather_dequant import gather_dequant
 from ..pages import PagedView
+from .triton import TUNE, _device, _merge_kernel, _merge_rotated, _setup, _sm_count, num_splits
+from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
+from .triton_tiles import _load_queries, _page_scores, _page_values, _softmax_step, _step_ids, _zero_state
 
 
 def paged_prefill_staged(q: torch.Tensor, view: PagedView, scale: float | None) -> torch.Tensor:
@@ -46,3 +55,158 @@ def sdpa_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     for g in range(G):
         out[:, g::G] = F.scaled_dot_product_attention(q[:, g::G], k, v, attn_mask=mask, scale=scale)
     return out
+
+
+@triton.jit(do_not_specialize=["stride_qt", "stride_tb", "n_blocks", "n_sink", "tail_len", "C", "blocks_per_split", "n_splits"])
+def _prefill_kernel(
+    Q, QR, TABLE, START,
+    SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, TAIL_K, TAIL_V,
+    O, OR, LSE,
+    stride_qb, stride_qh, stride_qt, stride_tb, s_tk_b, s_tk_h, s_tk_p,
+    n_blocks, n_sink, tail_len, C, blocks_per_split, scale, n_splits,
+    H: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
+    HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
+    WORDS: tl.constexpr, ASM: tl.constexpr, PK: tl.constexpr, PV: tl.constexpr,
+):
+    """Prefill chunks over the quantized pages, no bf16 copy of the past: the decode kernel's
+    page walk with M rows = BT query tokens x the G query heads of one KV head (token-major,
+    padded to M). The C queries are the tail's last C tokens (query i at position n_blocks * P
+    + tail_len - C + i); sinks and sealed pages precede all of them, the tail is causal. Grid
+    (row x KV head, query block, split); outputs [B, H*G, C, n_splits, D] and LSE
+    [B, H*G, C, n_splits] (natural log), each split normalized on its own."""
+    DK: tl.constexpr = D // PK
+    DV: tl.constexpr = D // PV
+    NG: tl.constexpr = D // GS
+    b = tl.program_id(0) // H
+    h = tl.program_id(0) % H
+    rb = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = tl.arange(0, M)
+    offs_d = tl.arange(0, D)
+    offs_p = tl.arange(0, P)
+    offs_k = tl.arange(0, DK)
+    offs_v = tl.arange(0, DV)
+    t = rb * BT + offs_m // G  # the row's query token in the chunk
+    hq = h * G + offs_m % G  # and its query head
+    rmask = (offs_m < BT * G) & (t < C)
+    qrow = b * stride_qb + hq * stride_qh + t * stride_qt
+    q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, 0, qrow, rmask, 1, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT)
+    start = 0
+    if HAS_START:
+        start = tl.load(START + b)
+    ti = tail_len - C + t  # the query's own index in the tail: it sees tail tokens 0 .. ti
+
+    # logical blocks: sinks [0, n_sink), sealed [n_sink, n_blocks), tail; none past this
+    # program's last query (causal)
+    t_last = tl.minimum(rb * BT + BT, C) - 1
+    total = n_blocks + (tail_len - C + t_last) // P + 1
+    lo = split * blocks_per_split
+    hi = tl.minimum(lo + blocks_per_split, total)
+
+    m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _zero_state(M, DV)
+    every = offs_p >= 0
+
+    # 1. sink pages (unquantized, unrotated)
+    for j in range(lo, tl.minimum(hi, n_sink)):
+        blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
+        base = (blk * H + h) * P * D
+        s = _dense_scores(SINK_K + base, D, every, q, offs_p, offs_d, DOT, PREC)
+        s = tl.where((j * P + offs_p >= start)[None, :], s, float("-inf"))
+        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+        v0, v1, v2, v3 = _dense_values(SINK_V + base, D, every, offs_p, offs_v, PV, DOT)
+        a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, p.to(DOT), v0, v1, v2, v3, PV, PREC)
+        if ROTATE:
+            r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, p, None, None, None, None, PV, PREC)
+
+    # 2. sealed pages
+    j0 = tl.maximum(lo, n_sink)
+    j1 = tl.minimum(hi, n_blocks)
+    trow = TABLE + b * stride_tb
+    n0, _, _, _ = _step_ids(trow, j0, j1, 1)
+    for j in range(j0, j1):
+        blk0 = n0.to(tl.int64)
+        n0, _, _, _ = _step_ids(trow, j + 1, j1, 1)
+        s = _page_scores(KD, KC, KS, KZ, blk0 * H + h, 0, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+                         D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
+        s = tl.where((j * P + offs_p >= start)[None, :], s, float("-inf"))
+        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+        row = (blk0 * H + h) * P + offs_p
+        pv, v0, v1, v2, v3 = _page_values(VD, VC, VS, VZ, row, every, p, offs_v, D, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
+        a0, a1, a2, a3, r0, r1, r2, r3 = _acc_sealed(a0, a1, a2, a3, r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC, ROTATE)
+
+    # 3. the tail (unquantized, unrotated), causal
+    for j in range(tl.maximum(lo, n_blocks), hi):
+        tt = (j - n_blocks) * P + offs_p
+        valid = tt < tail_len
+        base = b * s_tk_b + h * s_tk_h + (j - n_blocks) * P * s_tk_p
+        s = _dense_scores(TAIL_K + base, s_tk_p, valid, q, offs_p, offs_d, DOT, PREC)
+        see = (valid & (n_blocks * P + tt >= start))[None, :] & (tt[None, :] <= ti[:, None])
+        s = tl.where(see, s, float("-inf"))
+        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+        v0, v1, v2, v3 = _dense_values(TAIL_V + base, s_tk_p, valid, offs_p, offs_v, PV, DOT)
+        a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, p.to(DOT), v0, v1, v2, v3, PV, PREC)
+        if ROTATE:
+            r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, p, None, None, None, None, PV, PREC)
+
+    _finish(O, OR, LSE, ((b * H * G + hq) * C + t) * n_splits + split, rmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE)
+
+
+def prefill_path(chunk: int, fmt) -> str:
+    """"kernel" or "staged" for a prefill chunk of `chunk` queries over pages of format `fmt`
+    (a BlockFormat), by TUNE["prefill"]; "auto" takes the kernel where it measured faster
+    (H200, whole chunk steps of `longctx bench prefill`, notes/decode-kernel.md v10): chunks
+    under prefill_staged_from tokens with a side of 4 bits or fewer, whose dequantization
+    staging pays for in full (int4 512-token chunks: 7.96 against 9.00 ms at 128k; int8 5.24
+    staged against 7.17; 2,048-token chunks and longer staged for both)."""
+    option = TUNE["prefill"]
+    if option not in ("auto", "kernel", "staged"):
+        raise ValueError(f"TUNE['prefill'] must be 'auto', 'kernel' or 'staged', got {option!r}")
+    if option == "auto":
+        return "kernel" if chunk < TUNE["prefill_staged_from"] and min(fmt.k_bits, fmt.v_bits) <= 4 else "staged"
+    return option
+
+
+def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
+    """Prefill chunk over the quantized pages: q [B, H_q, C, D], the tail's last C tokens ->
+    (out [B, H_q, C, D], lse [B, H_q, C] fp32 or None). Sinks and sealed pages are read in
+    place, the tail causally; left padding by `start`. The KV length is split across programs
+    as in decode when the chunk's query blocks alone do not fill the GPU (or into `splits`),
+    then merged."""
+    st = _setup(q, view, start, "paged_prefill_triton")
+    fmt, qq, qr, hmat, table, n_blocks = st.fmt, st.q, st.qr, st.hmat, st.table, st.n_blocks
+    B, Hq, C, D = q.shape
+    H, P, G = fmt.num_kv_heads, fmt.block_size, st.consts["G"]
+    tail_k, tail_v = view.tail_k, view.tail_v
+    tail_len = tail_k.shape[2]
+    total = n_blocks + (tail_len + P - 1) // P
+    bt = max(1, TUNE["prefill_rows"] // G)  # query tokens a program
+    n_rb = -(-C // bt)
+    sm = _sm_count(_device(q)) if q.is_cuda else 4
+    splits = splits or num_splits(B * n_rb, H, total, sm, TUNE["prefill_programs"])
+    bps = max(1, math.ceil(total / splits))
+    splits = max(1, math.ceil(total / bps))
+    one = splits == 1 and not fmt.rotate  # the kernel writes the final output
+    o = torch.empty(B, Hq, C, splits, D, dtype=q.dtype if one else torch.float32, device=q.device)
+    o_r = torch.empty_like(o) if fmt.rotate else o
+    lse = torch.empty(B, Hq, C, splits, dtype=torch.float32, device=q.device)
+    _prefill_kernel[(B * H, n_rb, splits)](
+        qq, qr, table, start if start is not None else table,
+        view.sink_k, view.sink_v, *st.pools, tail_k, tail_v, o, o_r, lse,
+        qq.stride(0), qq.stride(1), qq.stride(2), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
+        n_blocks, min(view.n_sink, n_blocks), tail_len, C, bps, scale, splits,
+        BT=bt, M=max(16, triton.next_power_of_2(bt * G)),
+        **dict(st.consts, K16=TUNE["prefill_k16"] if st.consts["K16"] else 0, V16=st.consts["V16"] and TUNE["prefill_v16"]),
+        num_warps=TUNE["prefill_warps"], num_stages=TUNE["prefill_stages"],
+    )
+    if one:
+        return o[:, :, :, 0], (lse[..., 0] if return_lse else None)
+    if fmt.rotate:
+        out, total_lse = _merge_rotated(o, o_r, lse, hmat)
+        return out.to(q.dtype), (total_lse[..., 0] if return_lse else None)
+    out = torch.empty(B, Hq, C, D, dtype=q.dtype, device=q.device)
+    lout = torch.empty(B, Hq, C, dtype=torch.float32, device=q.device)
+    # every (row, query head, token) is one merge row: HQ=1 and row strides
+    _merge_kernel[(B * Hq * C,)](o, lse, out, lout, splits, splits * D, 0, D, splits, 0, D, 0,
+                                 HQ=1, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    return out, (lout if return_lse else None)

@@ -1,0 +1,409 @@
+"""Triton building blocks of the decode and prefill kernels over quantized pages: codes to
+floats, K scores of a page (dequantized in registers), V sub-tiles of a page, unquantized
+blocks (sinks, tail), the online-softmax step, the PV accumulators, the query loads and the
+final stores. Both kernels (triton.py, prefill.py) inline them; none launches on its own.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NEG_BIG = tl.constexpr(-1.0e30)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+# Layout: a byte of int4 codes holds channels 2i (low nibble) and 2i+1; of int2 codes,
+# channels 4i..4i+3. Rather than interleaving unpacked codes back into [P, D] (a layout
+# change that miscompiled as a tensor-core operand on triton 3.6), the kernel works on
+# PER = 8/bits "sub-tiles": sub-tile r holds channels r, r+PER, r+2*PER... The query is
+# loaded split the same way for K, and the output is accumulated per sub-tile for V and
+# written back to its strided channels at the end. 8- and 16-bit sides use PER = 1.
+#
+# Codes become floats without int->float conversion instructions (a quarter-rate unit on
+# recent GPUs, and the bound of the first kernels): OR-ing a code c < 2^10 into the bits of
+# fp16 1024.0 gives the fp16 1024 + c exactly; into fp32 2^23, the fp32 2^23 + c. The fp16
+# form goes straight into tensor-core dots, its 1024 offset folded into the zero-point term.
+
+
+@triton.jit
+def _code(x, r: tl.constexpr, BITS: tl.constexpr):
+    """Codes of sub-tile r of a tile of code words (uint8, or int16 for 8 and 4 bits)."""
+    if BITS == 8 and x.dtype == tl.uint8:
+        return x
+    return (x >> (r * BITS)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _f32(x, r: tl.constexpr, BITS: tl.constexpr):
+    """Sub-tile r as fp32 codes, exact: (2^23 + c) - 2^23."""
+    return (_code(x, r, BITS).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _f16_1024(x, r: tl.constexpr, BITS: tl.constexpr):
+    """Sub-tile r as fp16 1024 + code, exact (codes < 2^10)."""
+    return (_code(x, r, BITS).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+
+
+# ASM (GPU): two int16 code words per 32-bit register -> two fp16 codes of sub-tile r, exact:
+# int4 shifts nibble r of both words into place and ORs in fp16 1024 (one LOP3), int8
+# permutes byte r of both words next to a 0x64 byte; then one f16x2 subtract of 1024. bf16
+# int4 codes the same way around bf16 128 (0x4300).
+def _asm_int4(r: int, bf16: bool = False) -> str:
+    shift = f"shr.b32 t, $1, {4 * r}; " if r else "mov.b32 t, $1; "
+    magic, sub = ("0x43004300", "sub.bf16x2") if bf16 else ("0x64006400", "sub.f16x2")
+    return "{ .reg .b32 t, k; " + shift + f"lop3.b32 t, t, 0x000F000F, {magic}, 0xea; mov.b32 k, {magic}; {sub} $0, t, k; }}"
+
+
+def _asm_int8(r: int) -> str:
+    return ("{ .reg .b32 t, k; mov.b32 k, 0x64646464; prmt.b32 t, $1, k, " + ("0x4240" if r == 0 else "0x4341")
+            + "; mov.b32 k, 0x64006400; sub.f16x2 $0, t, k; }")
+
+
+ASM_I4_0, ASM_I4_1, ASM_I4_2, ASM_I4_3 = (tl.constexpr(_asm_int4(r)) for r in range(4))
+ASM_B4_0, ASM_B4_1, ASM_B4_2, ASM_B4_3 = (tl.constexpr(_asm_int4(r, bf16=True)) for r in range(4))
+ASM_I8_0, ASM_I8_1 = (tl.constexpr(_asm_int8(r)) for r in range(2))
+
+
+@triton.jit
+def _asm16(x, r: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
+    """Sub-tile r of int16 code words as DT codes, exact, GPU only: fp16 for 4 or 8 bits,
+    bf16 for 4 bits (its 7 mantissa bits hold 128 + c for c < 128 only)."""
+    if BITS == 8:
+        asm: tl.constexpr = ASM_I8_0 if r == 0 else ASM_I8_1
+    elif r == 0:
+        asm: tl.constexpr = ASM_B4_0 if DT == tl.bfloat16 else ASM_I4_0
+    elif r == 1:
+        asm: tl.constexpr = ASM_B4_1 if DT == tl.bfloat16 else ASM_I4_1
+    elif r == 2:
+        asm: tl.constexpr = ASM_B4_2 if DT == tl.bfloat16 else ASM_I4_2
+    else:
+        asm: tl.constexpr = ASM_B4_3 if DT == tl.bfloat16 else ASM_I4_3
+    if DT == tl.bfloat16:
+        out = tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        out = tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+    return out
+
+
+@triton.jit
+def _f16(x, r: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Sub-tile r as fp16 codes, exact: by inline PTX on int16 words, else 1024 + c - 1024."""
+    if ASM and x.dtype == tl.int16:
+        return _asm16(x, r, BITS, tl.float16)
+    return (_f16_1024(x, r, BITS) - 1024.0).to(tl.float16)
+
+
+@triton.jit
+def _codes16(x, r: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr):
+    """Sub-tile r as DT (fp16, or bf16 for codes < 128) codes, exact."""
+    if DT == tl.float16:
+        return _f16(x, r, BITS, ASM)
+    elif ASM and x.dtype == tl.int16 and BITS == 4:
+        return _asm16(x, r, BITS, tl.bfloat16)
+    else:
+        return (_code(x, r, BITS).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+
+
+@triton.jit
+def _pick(x0, x1, x2, x3, r: tl.constexpr):
+    if r == 0:
+        return x0
+    elif r == 1:
+        return x1
+    elif r == 2:
+        return x2
+    else:
+        return x3
+
+
+@triton.jit
+def _step_ids(trow, j, j1, PAGES: tl.constexpr):
+    """Block ids of the PAGES pages of the loop step at logical block j of a split whose
+    sealed blocks end at j1: ids at or past j1 repeat a valid one (the table has at least one
+    column), whose scores are masked. No load mask: the interpreter takes no scalar bool."""
+    last = j1 - 1
+    i0 = tl.load(trow + tl.maximum(tl.minimum(j, last), 0))
+    i1 = i0
+    i2 = i0
+    i3 = i0
+    if PAGES > 1:
+        i1 = tl.load(trow + tl.maximum(tl.minimum(j + 1, last), 0))
+    if PAGES > 2:
+        i2 = tl.load(trow + tl.maximum(tl.minimum(j + 2, last), 0))
+        i3 = tl.load(trow + tl.maximum(tl.minimum(j + 3, last), 0))
+    return i0, i1, i2, i3
+
+
+@triton.jit
+def _token_groups(X, row, ok, NG: tl.constexpr):
+    """[T, NG] per-token group values (V's scales or zeros) of pool rows `row` [T], masked
+    by ok [T]. 16-bit values load as one word per token (NG of them in an int16/32/64): a
+    4- or 8-byte load the pipeliner prefetches, where 2-byte loads stayed in the loop and
+    stalled it (Nsight Compute, H200, triton 3.6); split by shifts."""
+    DT: tl.constexpr = X.dtype.element_ty
+    if DT.primitive_bitwidth == 16 and NG <= 4:
+        w = _words16(X, row, ok, NG)
+        sh = (16 * tl.arange(0, NG)).to(w.dtype)
+        out = (w[:, None] >> sh[None, :]).to(tl.int16).to(DT, bitcast=True)
+    else:
+        out = tl.load(X + row[:, None] * NG + tl.arange(0, NG)[None, :], mask=ok[:, None], other=0.0)
+    return out
+
+
+@triton.jit
+def _words16(X, idx, mask, N: tl.constexpr):
+    """Words idx of N consecutive 16-bit values of X (N = 1, 2 or 4: int16, int32, int64;
+    zero where masked): 4- or 8-byte loads, which the pipeliner prefetches with cp.async."""
+    WT: tl.constexpr = tl.int16 if N == 1 else (tl.int32 if N == 2 else tl.int64)
+    return tl.load(X.to(tl.pointer_type(WT)) + idx, mask=mask, other=0)
+
+
+@triton.jit
+def _half16(w, r: tl.constexpr, DT: tl.constexpr):
+    """The r-th 16-bit value (from the low end) of integer words w, as the 16-bit float DT."""
+    return (w >> (16 * r)).to(tl.int16).to(DT, bitcast=True)
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax, base 2, over one block of scores s [G_PAD, P] (masked = -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
+def _acc(a0, a1, a2, a3, alpha, p, v0, v1, v2, v3, PV: tl.constexpr, PREC: tl.constexpr):
+    """Rescale the PV sub-tile accumulators by alpha and add p @ v_r (v None: rescale only)."""
+    a0 = a0 * alpha[:, None]
+    if PV > 1:
+        a1 = a1 * alpha[:, None]
+    if PV > 2:
+        a2 = a2 * alpha[:, None]
+        a3 = a3 * alpha[:, None]
+    if v0 is not None:
+        a0 += tl.dot(p, v0, input_precision=PREC)
+        if PV > 1:
+            a1 += tl.dot(p, v1, input_precision=PREC)
+        if PV > 2:
+            a2 += tl.dot(p, v2, input_precision=PREC)
+            a3 += tl.dot(p, v3, input_precision=PREC)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _load_q(Q, base, offs_g, gmask, r: tl.constexpr, PER: tl.constexpr, DS: tl.constexpr, stride_qh, scale):
+    offs = r + PER * tl.arange(0, DS)
+    return tl.load(Q + base + offs_g[:, None] * stride_qh + offs[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * scale
+
+
+@triton.jit
+def _store(O, off, a0, a1, a2, a3, inv, om, PV: tl.constexpr):
+    tl.store(O + off, (a0 * inv).to(O.dtype.element_ty), mask=om)
+    if PV > 1:
+        tl.store(O + off + 1, (a1 * inv).to(O.dtype.element_ty), mask=om)
+    if PV > 2:
+        tl.store(O + off + 2, (a2 * inv).to(O.dtype.element_ty), mask=om)
+        tl.store(O + off + 3, (a3 * inv).to(O.dtype.element_ty), mask=om)
+
+
+@triton.jit
+def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+                 D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr, K_BITS: tl.constexpr,
+                 DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr):
+    """Base-2 scores [G_PAD, P] of the n-th page of a loop step (pool row bh = block * H +
+    head; its loads are skipped when n >= left, the pages left in the split). Quantized K:
+    K16 == 3 dequantizes sub-tile r in KDT (fp16, or bf16 for codes < 128 with bf16 scales:
+    codes * s + z, one FMA per two values) and dots it with the fixed KDT query qp_r; 0-2 fold the per-channel scales into the query
+    instead, (q*s)_r . codes_r (0: fp32 codes through DOT; 1: fp16 1024 + code, subtracting
+    1024 * the sum of the rounded q*s the dots saw; 2: fp16 codes), then add q . z. K16 == 4
+    dequantizes in fp32 and rounds once into DOT (the prefill kernel's choice: its query block
+    shares each page's dequantization, and the 16-bit dequantization rounds twice where the
+    multiply and add are not fused, as under the interpreter)."""
+    pm = (offs_p[:, None] * 0 + n) < left  # tensor masks: the interpreter takes no scalar bool
+    s = tl.zeros((qp.shape[0], P), tl.float32)
+    if K_BITS == 16:  # (one return at the end: an early return in a branch miscompiled on the GPU)
+        k = tl.load(KD + bh * P * D + offs_p[:, None] * D + offs_d[None, :], mask=pm, other=0.0)
+        s = tl.dot(qp.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
+    else:
+        xk = tl.load(KC + bh * P * DK + offs_p[:, None] * DK + offs_k[None, :], mask=pm, other=0)
+        km = (offs_k * 0 + n) < left
+        # 16-bit scales and zeros load as words of PK values (channels PK*i .. PK*i + PK - 1):
+        # 4- or 8-byte loads the pipeliner prefetches (2-byte loads it left in the loop, where
+        # their latency was the kernel's largest stall), split into sub-tiles by shifts
+        DT: tl.constexpr = KS.dtype.element_ty
+        W16: tl.constexpr = DT.primitive_bitwidth == 16
+        ksw = xk  # (unused unless W16)
+        kzw = xk
+        if W16:
+            ksw = _words16(KS, bh * DK + offs_k, km, PK)
+            kzw = _words16(KZ, bh * DK + offs_k, km, PK)
+        off = tl.zeros((qp.shape[0],), tl.float32)  # sum of the fp16 (q*s) the dots saw (K16 == 1)
+        zq = tl.zeros((qp.shape[0],), tl.float32)  # q . z (K16 < 3)
+        for r in tl.static_range(PK):
+            qr = _pick(qp0, qp1, qp2, qp3, r)
+            if W16:
+                sr = _half16(ksw, r, DT)
+                zr = _half16(kzw, r, DT)
+            else:
+                sr = tl.load(KS + bh * D + PK * offs_k + r, mask=km, other=0.0)
+                zr = tl.load(KZ + bh * D + PK * offs_k + r, mask=km, other=0.0)
+            if K16 == 3:  # K dequantized in KDT against the fixed KDT query
+                s += tl.dot(qr, tl.trans(_codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[None, :] + zr.to(KDT)[None, :]))
+            elif K16 == 4:  # K dequantized in fp32, rounded once into DOT, against the fixed DOT query
+                kf = _f32(xk, r, K_BITS) * sr.to(tl.float32)[None, :] + zr.to(tl.float32)[None, :]
+                s += tl.dot(qr, tl.trans(kf.to(DOT)), input_precision=PREC)
+            else:  # scales folded into the fp32 query
+                qs = qr * sr.to(tl.float32)[None, :]
+                zq += tl.sum(qr * zr.to(tl.float32)[None, :], 1)
+                if K16 == 1:
+                    qs = qs.to(tl.float16)
+                    s += tl.dot(qs, tl.trans(_f16_1024(xk, r, K_BITS)))
+                    off += tl.sum(qs.to(tl.float32), 1)
+                elif K16 == 2:
+                    s += tl.dot(qs.to(tl.float16), tl.trans(_f16(xk, r, K_BITS, ASM)))
+                else:
+                    s += tl.dot(qs.to(DOT), tl.trans(_f32(xk, r, K_BITS).to(DOT)), input_precision=PREC)
+        if K16 < 3:
+            s += zq[:, None] - 1024.0 * off[:, None]
+    return s
+
+
+@triton.jit
+def _dense_scores(kbase, sp, valid, q, offs_p, offs_d, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Base-2 scores [rows, P] of q against one unquantized block (a sink page or the tail;
+    token stride sp), invalid tokens read as zeros (masked by the caller)."""
+    k = tl.load(kbase + offs_p[:, None] * sp + offs_d[None, :], mask=valid[:, None], other=0.0)
+    return tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
+
+
+@triton.jit
+def _dense_values(vbase, sp, valid, offs_p, offs_v, PV: tl.constexpr, DOT: tl.constexpr):
+    """V of one unquantized block as the PV sub-tiles the accumulators take (channels r,
+    r + PV, ...)."""
+    vptr = vbase + offs_p[:, None] * sp + PV * offs_v[None, :]
+    vm = valid[:, None]
+    v0 = tl.load(vptr, mask=vm, other=0.0).to(DOT)
+    v1 = v0
+    v2 = v0
+    v3 = v0
+    if PV > 1:
+        v1 = tl.load(vptr + 1, mask=vm, other=0.0).to(DOT)
+    if PV > 2:
+        v2 = tl.load(vptr + 2, mask=vm, other=0.0).to(DOT)
+        v3 = tl.load(vptr + 3, mask=vm, other=0.0).to(DOT)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr, NG: tl.constexpr,
+                 GS: tl.constexpr, V_BITS: tl.constexpr, V16: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
+    """V sub-tiles of sealed pages' tokens at pool rows `row` [T] (masked by ok), dequantized
+    in registers, and the probabilities p [rows, T] in the dtype their dot takes: (pv, v0..v3)."""
+    vm = ok[:, None]
+    if V_BITS == 16:
+        v0 = tl.load(VD + row[:, None] * D + offs_v[None, :], mask=vm, other=0.0).to(DOT)
+        v1 = v0
+        v2 = v0
+        v3 = v0
+        pv = p.to(DOT)
+    else:
+        xv = tl.load(VC + row[:, None] * DV + offs_v[None, :], mask=vm, other=0)
+        # column i of every sub-tile is in group i // (GS // PV)
+        # V16 == 2: bf16 when the scales are bf16 and the codes < 128 (exact), saving their conversion
+        VT: tl.constexpr = (tl.bfloat16 if V16 == 2 and V_BITS <= 4 and VS.dtype.element_ty == tl.bfloat16
+                            else tl.float16 if V16 else tl.float32)
+        T: tl.constexpr = row.shape[0]
+        vs = tl.reshape(tl.broadcast_to(_token_groups(VS, row, ok, NG).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
+        vz = tl.reshape(tl.broadcast_to(_token_groups(VZ, row, ok, NG).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
+        if V16:  # 16-bit codes, exact; one 16-bit FMA per value
+            v0 = _codes16(xv, 0, V_BITS, ASM, VT) * vs + vz
+            v1 = v0
+            v2 = v0
+            v3 = v0
+            if PV > 1:
+                v1 = _codes16(xv, 1, V_BITS, ASM, VT) * vs + vz
+            if PV > 2:
+                v2 = _codes16(xv, 2, V_BITS, ASM, VT) * vs + vz
+                v3 = _codes16(xv, 3, V_BITS, ASM, VT) * vs + vz
+            pv = p.to(VT)
+        else:
+            v0 = (_f32(xv, 0, V_BITS) * vs + vz).to(DOT)
+            v1 = v0
+            v2 = v0
+            v3 = v0
+            if PV > 1:
+                v1 = (_f32(xv, 1, V_BITS) * vs + vz).to(DOT)
+            if PV > 2:
+                v2 = (_f32(xv, 2, V_BITS) * vs + vz).to(DOT)
+                v3 = (_f32(xv, 3, V_BITS) * vs + vz).to(DOT)
+            pv = p.to(DOT)
+    return pv, v0, v1, v2, v3
+
+
+@triton.jit
+def _load_queries(Q, QR, base, rows, rmask, stride, scale, D: tl.constexpr, PK: tl.constexpr, DK: tl.constexpr,
+                  ROTATE: tl.constexpr, K16: tl.constexpr, KDT: tl.constexpr, DOT: tl.constexpr):
+    """The query rows (offsets `rows` * stride from base, masked by rmask) as the kernels use
+    them, scaled: q unrotated [rows, D] (sinks, tail), qp [rows, D] and its PK sub-tiles
+    qp0..qp3 [rows, DK] for the sealed pages (rotated with ROTATE), the sub-tiles in the
+    16-bit type K is dequantized into when K16 >= 3."""
+    q = _load_q(Q, base, rows, rmask, 0, 1, D, stride, scale)
+    QP = QR if ROTATE else Q
+    qp = _load_q(QP, base, rows, rmask, 0, 1, D, stride, scale)
+    qp0 = _load_q(QP, base, rows, rmask, 0, PK, DK, stride, scale)
+    qp1 = qp0
+    qp2 = qp0
+    qp3 = qp0
+    if PK > 1:
+        qp1 = _load_q(QP, base, rows, rmask, 1, PK, DK, stride, scale)
+    if PK > 2:
+        qp2 = _load_q(QP, base, rows, rmask, 2, PK, DK, stride, scale)
+        qp3 = _load_q(QP, base, rows, rmask, 3, PK, DK, stride, scale)
+    if K16 >= 3:  # fixed 16-bit queries for K dequantized in registers
+        QT: tl.constexpr = KDT if K16 == 3 else DOT
+        qp0 = qp0.to(QT)
+        qp1 = qp1.to(QT)
+        qp2 = qp2.to(QT)
+        qp3 = qp3.to(QT)
+    return q, qp, qp0, qp1, qp2, qp3
+
+
+@triton.jit
+def _zero_state(M: tl.constexpr, DV: tl.constexpr):
+    """Online-softmax state of M rows: running max, sum, and the PV sub-tile accumulators,
+    unrotated (a0..a3) and rotated (r0..r3: sealed pages when ROTATE)."""
+    z = tl.zeros((M, DV), tl.float32)
+    return tl.full((M,), NEG_BIG, tl.float32), tl.zeros((M,), tl.float32), z, z, z, z, z, z, z, z
+
+
+@triton.jit
+def _acc_sealed(a0, a1, a2, a3, r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV: tl.constexpr, PREC: tl.constexpr,
+                ROTATE: tl.constexpr):
+    """Accumulate a sealed page's p @ v: into the rotated accumulators with ROTATE (the
+    unrotated ones only rescaled), else into the unrotated ones."""
+    if ROTATE:
+        a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, None, None, None, None, PV, PREC)
+        r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC)
+    else:
+        a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, pv, v0, v1, v2, v3, PV, PREC)
+    return a0, a1, a2, a3, r0, r1, r2, r3
+
+
+@triton.jit
+def _finish(O, OR, LSE, orow, omask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D: tl.constexpr, PV: tl.constexpr,
+            ROTATE: tl.constexpr):
+    """Store the normalized outputs (rows orow of [*, D] O, and OR with ROTATE) and the
+    natural-log LSE (-inf and zeros for rows that saw no key)."""
+    seen = l_i > 0
+    inv = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
+    o_off = orow[:, None] * D + PV * offs_v[None, :]
+    om = omask[:, None]
+    _store(O, o_off, a0, a1, a2, a3, inv, om, PV)
+    if ROTATE:
+        _store(OR, o_off, r0, r1, r2, r3, inv, om, PV)
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
+    tl.store(LSE + orow, lse, mask=omask)
