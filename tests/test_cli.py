@@ -44,7 +44,8 @@ def one_line_error(r, args):
 
 def test_known_errors_are_one_line_with_exit_code_2():
     for args in (["eval", "quality", "--formats", "int9"], ["bench", "decode", "--contexts", "4x"], ["bench", "decode", "--formats", "int5"],
-                 ["bench", "e2e", "--formats", "int5"], ["bench", "prefill", "--formats", "int5"], ["bench", "prefill", "--paths", "fast"]):
+                 ["bench", "e2e", "--formats", "int5"], ["bench", "prefill", "--formats", "int5"], ["bench", "prefill", "--paths", "fast"],
+                 ["bench", "prefill", "--chunks", "1"]):
         one_line_error(runner.invoke(app, args), args)
 
 

@@ -29,7 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..gather_dequant import gather_dequant
 from ..pages import PagedView
-from .triton import TUNE, _device, _merge_kernel, _merge_rotated, _setup, _sm_count, num_splits
+from .triton import TUNE, _merge_kernel, _merge_rotated, _setup, num_splits
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
 from .triton_tiles import _load_queries, _page_scores, _page_values, _softmax_step, _step_ids, _zero_state
 
@@ -174,16 +174,13 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     as in decode when the chunk's query blocks alone do not fill the GPU (or into `splits`),
     then merged."""
     st = _setup(q, view, start, "paged_prefill_triton")
-    fmt, qq, qr, hmat, table, n_blocks = st.fmt, st.q, st.qr, st.hmat, st.table, st.n_blocks
+    fmt, qq, qr, hmat, table, n_blocks, tail_len, total = st.fmt, st.q, st.qr, st.hmat, st.table, st.n_blocks, st.tail_len, st.total
     B, Hq, C, D = q.shape
-    H, P, G = fmt.num_kv_heads, fmt.block_size, st.consts["G"]
+    H, G = fmt.num_kv_heads, st.consts["G"]
     tail_k, tail_v = view.tail_k, view.tail_v
-    tail_len = tail_k.shape[2]
-    total = n_blocks + (tail_len + P - 1) // P
     bt = max(1, TUNE["prefill_rows"] // G)  # query tokens a program
     n_rb = -(-C // bt)
-    sm = _sm_count(_device(q)) if q.is_cuda else 4
-    splits = splits or num_splits(B * n_rb, H, total, sm, TUNE["prefill_programs"])
+    splits = splits or num_splits(B * n_rb, H, total, st.sm, TUNE["prefill_programs"])
     bps = max(1, math.ceil(total / splits))
     splits = max(1, math.ceil(total / bps))
     one = splits == 1 and not fmt.rotate  # the kernel writes the final output

@@ -342,6 +342,11 @@ class _Setup(NamedTuple):
     hmat: torch.Tensor | None
     table: torch.Tensor  # at least one column
     n_blocks: int
+    tail_len: int
+    total: int  # logical blocks: sinks, sealed pages, then the tail's
+    device: int | None  # CUDA device index
+    sm: int  # SMs to fill (4 off the GPU, where the interpreter runs)
+    gpu: bool  # compiled for a GPU, not interpreted
     pools: tuple
     consts: dict  # the constexprs both kernels take
 
@@ -364,6 +369,10 @@ def _setup(q, view: PagedView, start, who: str) -> _Setup:
     tail_k, tail_v = view.tail_k, view.tail_v
     if tail_k.stride(-1) != 1 or tail_k.stride() != tail_v.stride():
         raise ValueError(f"{who}: tail_k/tail_v must be contiguous along D and strided alike")
+    tail_len = tail_k.shape[2]
+    total = n_blocks + (tail_len + fmt.block_size - 1) // fmt.block_size
+    device = _device(q)
+    sm = _sm_count(device) if q.is_cuda else 4
     pools = kernel_pools(view, who, lambda c, bits: _words(c, bits, words))
     KS = pools[3]
     dot = tl.float16 if q.dtype == torch.float16 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32)
@@ -383,7 +392,7 @@ def _setup(q, view: PagedView, start, who: str) -> _Setup:
                   K16=k16, V16=half and TUNE["v16"], KDT=kdt, WORDS=words, ASM=TUNE["asm"] and gpu,
                   # sub-tiles per side: codes per load word (int16 words for 8 and 4 bits when WORDS)
                   PK=_per(fmt.k_bits, words), PV=per_v)
-    return _Setup(fmt, q, qr, hmat, table, n_blocks, pools, consts)
+    return _Setup(fmt, q, qr, hmat, table, n_blocks, tail_len, total, device, sm, gpu, pools, consts)
 
 
 def _device(q) -> int | None:
@@ -406,15 +415,12 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None)."""
     st = _setup(q[:, :, 0], view, start, "paged_decode_triton")
     fmt, q2, qr, hmat, table, n_blocks = st.fmt, st.q, st.qr, st.hmat, st.table, st.n_blocks
+    tail_len, total, device, sm, gpu = st.tail_len, st.total, st.device, st.sm, st.gpu
     KD, VD, KC, KS, KZ, VC, VS, VZ = st.pools
     B, Hq, _, D = q.shape
-    H, P, G = fmt.num_kv_heads, fmt.block_size, st.consts["G"]
+    H, G = fmt.num_kv_heads, st.consts["G"]
     tail_k, tail_v = view.tail_k, view.tail_v
-    tail_len = tail_k.shape[2]
-    total = n_blocks + (tail_len + P - 1) // P
     sixteen = fmt.k_bits == 16 and fmt.v_bits == 16
-    device = _device(q)
-    sm = _sm_count(device) if q.is_cuda else 4
     ppsm = TUNE["programs16"] if sixteen else TUNE["programs_per_sm"]
     guess = splits or num_splits(B, H, total, sm, ppsm)
     # programs of one or two pages (short contexts) have nothing for a third stage to prefetch
@@ -423,7 +429,6 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     stages = TUNE["stages16"] if sixteen else TUNE["short_stages"] if short else TUNE["num_stages"]
     if stages is not None:
         opts["num_stages"] = stages
-    gpu = q.is_cuda and not _interpreting()
     if TUNE["maxnreg"] and not sixteen and gpu:
         opts["maxnreg"] = TUNE["maxnreg"]  # programs_per_sm programs must fit the register file
     pages_per_step = _pages_per_step(fmt)
