@@ -12,6 +12,7 @@ Usage (repo root):
   python3 scripts/sass_decode.py --bits 8 --pages 1 --warps 8
   python3 scripts/sass_decode.py --keep /tmp/sass          # also write .ttgir/.ptx/.sass there
   python3 scripts/sass_decode.py --prefill 64 --stages 2   # the prefill kernel, 64 query rows a program
+  python3 scripts/sass_decode.py --wp 2 --g-pad 4 --stages 2 --merge launch   # TUNE's side-by-side loop
 """
 
 import argparse
@@ -42,10 +43,10 @@ def compile_decode(a):
     ptrs = dict(POINTERS, KC=code, VC=code)
     G = a.q_heads // a.kv_heads
     gm = triton.next_power_of_2(G)
-    const = dict(H=a.kv_heads, G=G, G_PAD=max(16, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.bits, GS=a.group_size,
+    const = dict(H=a.kv_heads, G=G, G_PAD=max(a.g_pad, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.bits, GS=a.group_size,
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
-                 PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words))
+                 PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp)
     if a.prefill:  # the prefill kernel: a.prefill rows (query tokens x G heads) a program
         bt = max(1, a.prefill // G)
         const.update(BT=bt, M=max(16, triton.next_power_of_2(bt * G)))
@@ -80,10 +81,12 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--rotate", action="store_true")
+    ap.add_argument("--g-pad", type=int, default=16, help="pad the query heads of a KV head to at least this many rows")
     ap.add_argument("--warps", type=int, default=K.TUNE["num_warps"])
     ap.add_argument("--stages", type=int, default=K.TUNE["num_stages"])
     ap.add_argument("--maxnreg", type=int, default=K.TUNE["maxnreg"], help="cap registers per thread (0: none; ptxas spills past it)")
     ap.add_argument("--pages", type=int, default=K.TUNE["pages"])
+    ap.add_argument("--wp", type=int, default=0, help="sealed pages side by side a step, one a warp (sets --warps; 0: the 2-D loop)")
     ap.add_argument("--k16", type=int, default=K.TUNE["k16"])
     ap.add_argument("--v16", type=int, default=int(K.TUNE["v16"]), help="0: fp32 V, 1: fp16, 2: bf16 where exact")
     ap.add_argument("--words", type=int, default=int(K.TUNE["words"]))
@@ -93,6 +96,7 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="write the kernel's .ttgir, .ptx and .sass into this folder")
     a = ap.parse_args()
     a.words, a.asm = bool(a.words), bool(a.asm)
+    a.warps = a.wp or a.warps
     kernel = compile_decode(a)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     cubin = Path("/tmp/_sass_decode.cubin")

@@ -114,21 +114,64 @@ def test_programs_fit():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_launch_fits_one_wave():
     """Long context, batch 1: the (head, split) programs fill whole waves of the programs per SM
-    that the compiled kernel's registers and shared memory allow, never more; short contexts
-    compile with TUNE's short_stages."""
+    that the compiled kernel's registers and shared memory allow, never more, on both loops
+    (int4: pages side by side, int8: the 2-D loop); short contexts take the 2-D loop with
+    TUNE's short_stages."""
     from longctx.bench import synthetic_view
 
-    view = synthetic_view(1, 65536, 8, 128, KVConfig(bits=4, block_size=64), "cuda")
     q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    paged_attention(q, view, backend="triton")
-    k, (rows, splits) = K.LAST["kernel"], K.LAST["grid"]
-    fit = min(TUNE["programs_per_sm"], programs_fit(k.n_regs, k.metadata.shared, TUNE["num_warps"], torch.cuda.get_device_properties(0)))
-    slots = fit * torch.cuda.get_device_properties(0).multi_processor_count
-    assert rows == 8 and 0.9 * slots < rows * splits <= slots  # (whole pages per split round a little off)
-    assert k.metadata.num_stages == TUNE["num_stages"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for bits, side, warps, cap, stages in [(4, TUNE["side"], TUNE["side"], TUNE["side_programs"], TUNE["side_stages"]),
+                                           (8, 0, TUNE["num_warps"], TUNE["programs_per_sm"], TUNE["num_stages"])]:
+        paged_attention(q, synthetic_view(1, 65536, 8, 128, KVConfig(bits=bits, block_size=64), "cuda"), backend="triton")
+        k, (rows, splits) = K.LAST["kernel"], K.LAST["grid"]
+        slots = min(cap, programs_fit(k.n_regs, k.metadata.shared, warps, torch.cuda.get_device_properties(0))) * sms
+        assert K.LAST["side"] == side and k.metadata.num_warps == warps and k.metadata.num_stages == stages
+        assert rows == 8 and 0.9 * slots < rows * splits <= slots  # (whole steps per split round a little off)
     # 4k: a page or two per program, nothing for a third pipeline stage to prefetch
     paged_attention(q, synthetic_view(1, 4096, 8, 128, KVConfig(bits=4, block_size=64), "cuda"), backend="triton")
-    assert K.LAST["kernel"].metadata.num_stages == TUNE["short_stages"] and K.LAST["grid"][1] <= 64
+    assert K.LAST["kernel"].metadata.num_stages == TUNE["short_stages"] and K.LAST["grid"][1] <= 64 and K.LAST["side"] == 0
+
+
+def _long(case, splits):
+    """A CASES case with its split count replaced: programs of more than two pages."""
+    return case[:-1] + (splits,)
+
+
+# cases with pages of at most 4 bits a side and at most 64 tokens, which may go side by side
+SIDE_CASES = [_long(CASES[1], 1), _long(CASES[3], 2), _long(CASES[4], 2), _long(CASES[8], 1), _long(CASES[10], 1),
+              _long(CASES[11], 2)]
+
+
+@pytest.mark.parametrize("side", [1, 2, 4])
+@pytest.mark.parametrize("case", SIDE_CASES, ids=[case_id(c) for c in SIDE_CASES])
+@pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
+def test_side_by_side_pages_within_budget(case, side, dtype, monkeypatch):
+    """Sealed pages side by side (one a warp, folded into one softmax state at the end): the
+    grid's error budget, with padding, rotation, int2, GQA 3, V groups of 16 and 32, one
+    split and merged splits."""
+    monkeypatch.setitem(TUNE, "side", side)
+    test_triton_decode_within_budget(case, dtype)
+    assert K.LAST["side"] == side
+
+
+def test_side_rule(monkeypatch):
+    from longctx.ops.paged_attention.triton import _side
+    from longctx.quant import BlockFormat
+
+    def fmt(bits, k_bits=None, block=64):
+        cfg = KVConfig(bits=bits, k_bits=k_bits, block_size=block)
+        return BlockFormat(*cfg.layer_bits(0), block, cfg.group_size, 128, 8, torch.bfloat16, cfg.rotate)
+
+    assert _side(fmt(4), 3, short=False) == TUNE["side"] and _side(fmt(4), 0, short=False) == TUNE["side"]
+    assert _side(fmt(4), 3, short=True) == 0  # one or two pages a program: the 2-D loop
+    assert _side(fmt(4), 2, short=False) == 0  # scales folded into the query per page
+    assert _side(fmt(8), 3, short=False) == 0
+    assert _side(fmt(4, k_bits=8), 3, short=False) == 0
+    assert _side(fmt(2, block=16), 3, short=False) == TUNE["side"]
+    assert _side(fmt(4, block=128), 3, short=False) == 0
+    monkeypatch.setitem(TUNE, "side", 0)
+    assert _side(fmt(4), 3, short=False) == 0
 
 
 # Prefill chunks (C > 1) on the triton backend: gather_dequant kernel into one staging
@@ -182,7 +225,7 @@ def test_triton_prefill_with_padding_or_lse_reads_the_pages(monkeypatch):
 
 
 @pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"k16": 2}, {"k16": 3, "pages": 1}, {"k16": 3, "v16": 2}, {"k16": 3, "v16": 2, "pages": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
-                                  {"merge": "launch"}, {"merge": "kernel"}, {"maxnreg": 128}],
+                                  {"merge": "launch"}, {"merge": "kernel"}, {"maxnreg": 128}, {"side": 0}],
                          ids=lambda t: "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in t.items()))
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))
 @pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
@@ -213,7 +256,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel
@@ -305,7 +348,9 @@ def test_prefill_path(monkeypatch):
     fmt = {bits: fill(KVConfig(bits=bits, block_size=16), 1, 20, 4, 1, 64)[0].view(0).pages.fmt for bits in (4, 8, 16)}
     staged_from = TUNE["prefill_staged_from"]
     assert prefill.prefill_path(staged_from - 1, fmt[4]) == "kernel" and prefill.prefill_path(staged_from, fmt[4]) == "staged"
-    assert prefill.prefill_path(8, fmt[8]) == "staged" and prefill.prefill_path(8, fmt[16]) == "staged"  # staging measured faster there
+    from8 = TUNE["prefill_staged_from8"]
+    assert prefill.prefill_path(from8 - 1, fmt[8]) == "kernel" and prefill.prefill_path(from8, fmt[8]) == "staged"
+    assert prefill.prefill_path(8, fmt[16]) == "staged"  # the kernel not measured on 16-bit pages
     monkeypatch.setitem(TUNE, "prefill", "kernel")
     assert prefill.prefill_path(10**6, fmt[16]) == "kernel"
     monkeypatch.setitem(TUNE, "prefill", "fast")

@@ -29,7 +29,8 @@ from ...errors import BackendUnavailableError
 from ...quant import hadamard
 from ..pages import PagedView, kernel_pools
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
-from .triton_tiles import _load_queries, _page_scores, _page_values, _softmax_step, _step_ids, _zero_state
+from .triton_tiles import NEG_BIG, _fold, _load_queries, _page_scores, _page_values, _side_acc, _side_scores, _side_values
+from .triton_tiles import _softmax_step, _step_ids, _zero_state
 
 
 # Integers that change from step to step are not specialized: Triton would compile a new
@@ -45,7 +46,7 @@ def _decode_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
-    PK: tl.constexpr, PV: tl.constexpr,
+    PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -104,46 +105,52 @@ def _decode_kernel(
             if ROTATE:
                 r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, p, None, None, None, None, PV, PREC)
 
-    # 2. sealed pages, PAGES of them per iteration (more loads in flight per program): K scores
-    # per page with its per-channel scales folded into the query, (q*s).codes + q.z, joined
-    # into one [G_PAD, PAGES*P] tile whose token t is page t % PAGES, row t // PAGES; V rows
-    # are loaded in that order.
-    T: tl.constexpr = PAGES * P
-    offs_t = tl.arange(0, T)
-    n_t = offs_t % PAGES
-    i_t = offs_t // PAGES
-    j0 = tl.maximum(lo, n_sink)
-    j1 = tl.minimum(hi, n_blocks)
-    trow = TABLE + b * stride_tb
-    # block ids a step ahead (loop-carried): the pipeliner then issues a step's page loads
-    # without first waiting for its table loads
-    n0, n1, n2, n3 = _step_ids(trow, j0, j1, PAGES)
-    for j in range(j0, j1, PAGES):
-        blk0, blk1, blk2, blk3 = n0.to(tl.int64), n1.to(tl.int64), n2.to(tl.int64), n3.to(tl.int64)
-        n0, n1, n2, n3 = _step_ids(trow, j + PAGES, j1, PAGES)
-        s = _page_scores(KD, KC, KS, KZ, blk0 * H + h, 0, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
-                         D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
-        bt = tl.full((T,), 0, tl.int64) + blk0
-        if PAGES > 1:
-            s1 = _page_scores(KD, KC, KS, KZ, blk1 * H + h, 1, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
-                              D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
-            bt = tl.where(n_t == 1, blk1, bt)
-            if PAGES > 2:
-                s2 = _page_scores(KD, KC, KS, KZ, blk2 * H + h, 2, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+    # 2. sealed pages: WP side by side a step (a warp each), or PAGES a step across the warps
+    if WP > 0:
+        m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _sealed_side(
+            KD, KC, KS, KZ, VD, VC, VS, VZ, TABLE + b * stride_tb, h, tl.maximum(lo, n_sink), tl.minimum(hi, n_blocks), start,
+            qp, qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
+            H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP)
+    else:  # PAGES of them per iteration (more loads in flight per program): K scores
+        # per page with its per-channel scales folded into the query, (q*s).codes + q.z, joined
+        # into one [G_PAD, PAGES*P] tile whose token t is page t % PAGES, row t // PAGES; V rows
+        # are loaded in that order.
+        T: tl.constexpr = PAGES * P
+        offs_t = tl.arange(0, T)
+        n_t = offs_t % PAGES
+        i_t = offs_t // PAGES
+        j0 = tl.maximum(lo, n_sink)
+        j1 = tl.minimum(hi, n_blocks)
+        trow = TABLE + b * stride_tb
+        # block ids a step ahead (loop-carried): the pipeliner then issues a step's page loads
+        # without first waiting for its table loads
+        n0, n1, n2, n3 = _step_ids(trow, j0, j1, PAGES)
+        for j in range(j0, j1, PAGES):
+            blk0, blk1, blk2, blk3 = n0.to(tl.int64), n1.to(tl.int64), n2.to(tl.int64), n3.to(tl.int64)
+            n0, n1, n2, n3 = _step_ids(trow, j + PAGES, j1, PAGES)
+            s = _page_scores(KD, KC, KS, KZ, blk0 * H + h, 0, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+                             D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
+            bt = tl.full((T,), 0, tl.int64) + blk0
+            if PAGES > 1:
+                s1 = _page_scores(KD, KC, KS, KZ, blk1 * H + h, 1, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
                                   D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
-                s3 = _page_scores(KD, KC, KS, KZ, blk3 * H + h, 3, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
-                                  D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
-                bt = tl.where(n_t == 2, blk2, tl.where(n_t == 3, blk3, bt))
-                s = tl.reshape(tl.join(tl.join(s, s2), tl.join(s1, s3)), (G_PAD, T))  # t % 4 == page
-            else:
-                s = tl.reshape(tl.join(s, s1), (G_PAD, T))
-        page = j + n_t
-        ok = page < j1
-        s = tl.where((ok & (page * P + i_t >= start))[None, :], s, float("-inf"))
-        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
-        row = (bt * H + h) * P + i_t  # the token's row in the [N * H * P, ...] pool
-        pv, v0, v1, v2, v3 = _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
-        a0, a1, a2, a3, r0, r1, r2, r3 = _acc_sealed(a0, a1, a2, a3, r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC, ROTATE)
+                bt = tl.where(n_t == 1, blk1, bt)
+                if PAGES > 2:
+                    s2 = _page_scores(KD, KC, KS, KZ, blk2 * H + h, 2, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+                                      D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
+                    s3 = _page_scores(KD, KC, KS, KZ, blk3 * H + h, 3, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+                                      D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
+                    bt = tl.where(n_t == 2, blk2, tl.where(n_t == 3, blk3, bt))
+                    s = tl.reshape(tl.join(tl.join(s, s2), tl.join(s1, s3)), (G_PAD, T))  # t % 4 == page
+                else:
+                    s = tl.reshape(tl.join(s, s1), (G_PAD, T))
+            page = j + n_t
+            ok = page < j1
+            s = tl.where((ok & (page * P + i_t >= start))[None, :], s, float("-inf"))
+            m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+            row = (bt * H + h) * P + i_t  # the token's row in the [N * H * P, ...] pool
+            pv, v0, v1, v2, v3 = _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
+            a0, a1, a2, a3, r0, r1, r2, r3 = _acc_sealed(a0, a1, a2, a3, r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC, ROTATE)
 
     _finish(O, OR, LSE, (b * H * G + h * G + offs_g) * n_splits + split, gmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE)
     if MERGE:
@@ -154,6 +161,81 @@ def _decode_kernel(
         if done == n_splits - 1:
             _merge_splits(O, LSE, OUT, LOUT, b * H * G + h * G, n_splits, G, GM, SB, D)
             tl.atomic_xchg(COUNT + pid, 0)
+
+
+@triton.jit
+def _sealed_side(KD, KC, KS, KZ, VD, VC, VS, VZ, trow, h, j0, j1, start, qp, qp0, qp1, qp2, qp3,
+                 m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
+                 H: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr,
+                 V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                 K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr, ASM: tl.constexpr, PK: tl.constexpr,
+                 PV: tl.constexpr, WP: tl.constexpr):
+    """The sealed blocks j0 .. j1 - 1 of a row's table (trow), WP pages side by side a step
+    (triton_tiles' _side_*): each keeps its own online softmax over the pages it sees, and
+    the WP states fold into the program's (m_i, l_i, accumulators) at the end; with ROTATE the
+    sealed pages' share goes to the rotated accumulators r0..r3."""
+    DK: tl.constexpr = D // PK
+    DV: tl.constexpr = D // PV
+    NG: tl.constexpr = D // GS
+    offs_w = tl.arange(0, WP)
+    offs_p = tl.arange(0, P)
+    offs_d = tl.arange(0, D)
+    offs_k = tl.arange(0, DK)
+    offs_v = tl.arange(0, DV)
+    q3 = tl.broadcast_to(qp[None, :, :], (WP, G_PAD, D))
+    q30 = tl.broadcast_to(qp0[None, :, :], (WP, G_PAD, DK))
+    q31 = tl.broadcast_to(qp1[None, :, :], (WP, G_PAD, DK))
+    q32 = tl.broadcast_to(qp2[None, :, :], (WP, G_PAD, DK))
+    q33 = tl.broadcast_to(qp3[None, :, :], (WP, G_PAD, DK))
+    mw = tl.full((WP, G_PAD), NEG_BIG, tl.float32)
+    lw = tl.zeros((WP, G_PAD), tl.float32)
+    w0 = tl.zeros((WP, G_PAD, DV), tl.float32)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    last = j1 - 1
+    # block ids a step ahead (loop-carried), as in the 2-D loop; ids past j1 repeat a valid
+    # one (the table has at least one column) and their scores are masked
+    ids = tl.load(trow + tl.maximum(tl.minimum(j0 + offs_w, last), 0))
+    for j in range(j0, j1, WP):
+        bh = ids.to(tl.int64) * H + h
+        ids = tl.load(trow + tl.maximum(tl.minimum(j + WP + offs_w, last), 0))
+        s = _side_scores(KD, KC, KS, KZ, bh, q3, q30, q31, q32, q33, offs_p, offs_d, offs_k,
+                         D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
+        page = j + offs_w
+        keep = (page < j1)[:, None] & (page[:, None] * P + offs_p[None, :] >= start)
+        s = tl.where(keep[:, None, :], s, float("-inf"))
+        m_new = tl.maximum(mw, tl.max(s, 2))
+        alpha = tl.exp2(mw - m_new)
+        p = tl.exp2(s - m_new[:, :, None])
+        lw = lw * alpha + tl.sum(p, 2)
+        mw = m_new
+        pv, v0, v1, v2, v3 = _side_values(VD, VC, VS, VZ, bh, p, offs_p, offs_v, D, P, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
+        w0 = _side_acc(w0, alpha, pv, v0, PREC)
+        if PV > 1:
+            w1 = _side_acc(w1, alpha, pv, v1, PREC)
+        if PV > 2:
+            w2 = _side_acc(w2, alpha, pv, v2, PREC)
+            w3 = _side_acc(w3, alpha, pv, v3, PREC)
+    m_new = tl.maximum(m_i, tl.max(mw, 0))
+    c_in = tl.exp2(m_i - m_new)
+    c_w = tl.exp2(mw - m_new[None, :])
+    l_i = l_i * c_in + tl.sum(lw * c_w, 0)
+    f0 = _fold(w0, c_w)
+    f1 = f0
+    f2 = f0
+    f3 = f0
+    if PV > 1:
+        f1 = _fold(w1, c_w)
+    if PV > 2:
+        f2 = _fold(w2, c_w)
+        f3 = _fold(w3, c_w)
+    a0, a1, a2, a3 = a0 * c_in[:, None], a1 * c_in[:, None], a2 * c_in[:, None], a3 * c_in[:, None]
+    if ROTATE:
+        r0, r1, r2, r3 = r0 * c_in[:, None] + f0, r1 * c_in[:, None] + f1, r2 * c_in[:, None] + f2, r3 * c_in[:, None] + f3
+    else:
+        a0, a1, a2, a3 = a0 + f0, a1 + f1, a2 + f2, a3 + f3
+    return m_new, l_i, a0, a1, a2, a3, r0, r1, r2, r3
 
 
 @triton.jit
@@ -233,9 +315,19 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # 0.0182 and int4 128k 0.1090-0.1153 against 0.1015-0.1054 (merging fewer splits at once did
 # not lower its registers). maxnreg (0: none) caps registers: capped at 128, int4 128k ran
 # 0.1094-0.1108 ms against 0.1009-0.1054 uncapped.
+# side: sealed pages of at most 4 bits a side go `side` a loop step, one a warp, each with its
+# own softmax state until the end (`_sealed_side`, `_side`): no barrier a page, where the 2-D
+# loop (num_warps warps on one page) has six. Its rows: the query heads of a KV head padded
+# to side_rows (4; triton pads a dot's M under 16 inside the tensor-core tile itself), side_stages
+# pipeline stages, at most side_programs programs per SM (the compiled kernel's fit decides).
+# H200, graph timing (scripts/diag_speed.py, notes v11), int4 at 128k / 512k / batch 8 at 32k:
+# side 2 0.0885 / 0.2991 / 0.1618 ms against 0.1066 / 0.3689 / 0.1971 for the 2-D loop; side 4
+# 0.0932 / 0.3278 / 0.1725; side 1 0.0867 / 0.3442 / 0.1608; side 4 with 16 rows 0.1181 (2
+# stages), with 3 stages 0.1191 (one program per SM: shared memory); capping registers at 168
+# or 128 (3 or 4 programs per SM) spilled, 0.1311 and 0.2230.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=True, merge="auto",
-            prefill="auto", prefill_staged_from=1024, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
+            pages=1, words=True, asm=True, merge="auto", side=2, side_rows=4, side_stages=2, side_programs=16,
+            prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
 # past dequantized into a bf16 buffer, then SDPA's flash kernel), or "auto" (`prefill_path`).
@@ -328,6 +420,19 @@ def _pages_per_step(fmt) -> int:
     if fmt.k_bits == 16 and fmt.v_bits == 16:
         return 1
     return max(1, min(TUNE["pages"], 128 // fmt.block_size))
+
+
+def _side(fmt, k16: int, short: bool) -> int:
+    """Sealed pages a loop step side by side, one a warp (TUNE["side"]; 0: the 2-D loop): for
+    pages of at most 64 tokens and 4 bits on both sides whose K dequantizes against a fixed
+    query (k16 0 or 3), where a program gets more than two pages. Where it measured slower
+    (H200, notes v11): int8 pages (0.1351 against 0.1218 ms at 128k) and short contexts
+    (int4 8k 0.0206 against 0.0198). Larger pages were not measured."""
+    if TUNE["side"] not in (0, 1, 2, 4, 8):
+        raise ValueError(f"TUNE['side'] must be 0, 1, 2, 4 or 8 (pages a step, one a warp), got {TUNE['side']!r}")
+    if not TUNE["side"] or short or max(fmt.k_bits, fmt.v_bits) > 4 or fmt.block_size > 64 or k16 not in (0, 3):
+        return 0
+    return TUNE["side"]
 
 
 def _interpreting() -> bool:
@@ -425,14 +530,19 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     guess = splits or num_splits(B, H, total, sm, ppsm)
     # programs of one or two pages (short contexts) have nothing for a third stage to prefetch
     short = not sixteen and math.ceil(total / guess) <= 2
-    opts = dict(num_warps=TUNE["num_warps"])
-    stages = TUNE["stages16"] if sixteen else TUNE["short_stages"] if short else TUNE["num_stages"]
+    side = _side(fmt, st.consts["K16"], short)
+    opts = dict(num_warps=side or TUNE["num_warps"])
+    stages = TUNE["side_stages"] if side else TUNE["stages16"] if sixteen else TUNE["short_stages"] if short else TUNE["num_stages"]
     if stages is not None:
         opts["num_stages"] = stages
+    if side:
+        ppsm = TUNE["side_programs"]
+        guess = splits or num_splits(B, H, total, sm, ppsm)
     if TUNE["maxnreg"] and not sixteen and gpu:
         opts["maxnreg"] = TUNE["maxnreg"]  # programs_per_sm programs must fit the register file
-    pages_per_step = _pages_per_step(fmt)
-    consts = dict(st.consts, G_PAD=max(16, triton.next_power_of_2(G)), PAGES=pages_per_step,
+    pages_per_step = side or _pages_per_step(fmt)
+    rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(G))  # (triton pads a dot's M < 16 itself)
+    consts = dict(st.consts, G_PAD=rows, PAGES=pages_per_step, WP=side,
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -463,16 +573,16 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
                 n_blocks, min(view.n_sink, n_blocks), tail_len, bps, scale, splits)
         if warmup:
             return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, **consts)
-        LAST["kernel"], LAST["grid"] = _decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), (B * H, splits)
+        LAST["kernel"], LAST["grid"], LAST["side"] = _decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), (B * H, splits), side
         return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:
         splits = guess
         if gpu:  # as many programs per SM as fit, given the compiled kernel's registers
-            key = (device, fmt, q.dtype, KS.dtype, start is not None, merge_in_kernel(splits), stages, tuple(TUNE.items()))
+            key = (device, fmt, q.dtype, KS.dtype, start is not None, merge_in_kernel(splits), stages, side, tuple(TUNE.items()))
             fit = _FIT.get(key)
             if fit is None:  # (the in-kernel merge costs registers: 165 against 128 on triton 3.6)
-                fit = _FIT[key] = _fit(launch(splits, warmup=True), TUNE["num_warps"], device)
+                fit = _FIT[key] = _fit(launch(splits, warmup=True), opts["num_warps"], device)
             if fit < ppsm:
                 splits = num_splits(B, H, total, sm, fit)
     splits, merged, merge, o, o_r, lse, out, lout = launch(splits)

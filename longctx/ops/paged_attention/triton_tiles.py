@@ -407,3 +407,113 @@ def _finish(O, OR, LSE, orow, omask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, o
         _store(OR, o_off, r0, r1, r2, r3, inv, om, PV)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
     tl.store(LSE + orow, lse, mask=omask)
+
+
+# Side by side: W sealed pages a loop step along a leading batch dimension of 3-D dots. The
+# compiler puts each batch entry (a page) on its own warp, so a warp scores, softmaxes and
+# accumulates its page alone: no cross-warp reductions or shared-memory exchange of the
+# probabilities a page (the 2-D loop synchronizes the program's warps six times a page).
+
+
+@triton.jit
+def _side_scores(KD, KC, KS, KZ, bh, q3, q30, q31, q32, q33, offs_p, offs_d, offs_k,
+                 D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr, K_BITS: tl.constexpr,
+                 DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr):
+    """Base-2 scores [W, G_PAD, P] of the pages at pool rows bh [W] (block * H + head) against
+    the queries broadcast over W (q3 [W, G_PAD, D], its sub-tiles q30..q33 [W, G_PAD, DK]):
+    K16 == 3 dequantizes K in KDT against 16-bit queries, else in fp32 rounded once into DOT."""
+    W: tl.constexpr = q3.shape[0]
+    s = tl.zeros((W, q3.shape[1], P), tl.float32)
+    if K_BITS == 16:
+        k = tl.load(KD + (bh[:, None, None] * P + offs_p[None, :, None]) * D + offs_d[None, None, :])
+        s = tl.dot(q3.to(DOT), tl.permute(k.to(DOT), (0, 2, 1)), input_precision=PREC)
+    else:
+        xk = tl.load(KC + (bh[:, None, None] * P + offs_p[None, :, None]) * DK + offs_k[None, None, :])
+        DT: tl.constexpr = KS.dtype.element_ty
+        W16: tl.constexpr = DT.primitive_bitwidth == 16
+        ksw = xk
+        kzw = xk
+        if W16:
+            idx = bh[:, None] * DK + offs_k[None, :]
+            ksw = _words16(KS, idx, idx >= 0, PK)
+            kzw = _words16(KZ, idx, idx >= 0, PK)
+        for r in tl.static_range(PK):
+            qr = _pick(q30, q31, q32, q33, r)
+            if W16:
+                sr = _half16(ksw, r, DT)
+                zr = _half16(kzw, r, DT)
+            else:
+                sr = tl.load(KS + bh[:, None] * D + PK * offs_k[None, :] + r)
+                zr = tl.load(KZ + bh[:, None] * D + PK * offs_k[None, :] + r)
+            if K16 == 3:
+                kd = _codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[:, None, :] + zr.to(KDT)[:, None, :]
+                s += tl.dot(qr, tl.permute(kd, (0, 2, 1)))
+            else:
+                kf = _f32(xk, r, K_BITS) * sr.to(tl.float32)[:, None, :] + zr.to(tl.float32)[:, None, :]
+                s += tl.dot(qr.to(DOT), tl.permute(kf.to(DOT), (0, 2, 1)), input_precision=PREC)
+    return s
+
+
+@triton.jit
+def _side_values(VD, VC, VS, VZ, bh, p, offs_p, offs_v, D: tl.constexpr, P: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr,
+                 NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, V16: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
+    """V sub-tiles [W, P, DV] of the pages at pool rows bh [W], dequantized in registers, and
+    the probabilities p [W, G_PAD, P] in the dtype their dot takes: (pv, v0..v3)."""
+    W: tl.constexpr = p.shape[0]
+    row = bh[:, None] * P + offs_p[None, :]  # [W, P] rows of the [N * H * P, ...] pool
+    if V_BITS == 16:
+        v0 = tl.load(VD + row[:, :, None] * D + offs_v[None, None, :]).to(DOT)
+        v1 = v0
+        v2 = v0
+        v3 = v0
+        pv = p.to(DOT)
+    else:
+        xv = tl.load(VC + row[:, :, None] * DV + offs_v[None, None, :])
+        VT: tl.constexpr = (tl.bfloat16 if V16 == 2 and V_BITS <= 4 and VS.dtype.element_ty == tl.bfloat16
+                            else tl.float16 if V16 else tl.float32)
+        DT: tl.constexpr = VS.dtype.element_ty
+        if DT.primitive_bitwidth == 16 and NG <= 4:  # one word of NG 16-bit values a token
+            sh = 16 * tl.arange(0, NG)
+            ws = _words16(VS, row, row >= 0, NG)
+            wz = _words16(VZ, row, row >= 0, NG)
+            gs = (ws[:, :, None] >> sh.to(ws.dtype)[None, None, :]).to(tl.int16).to(DT, bitcast=True)
+            gz = (wz[:, :, None] >> sh.to(wz.dtype)[None, None, :]).to(tl.int16).to(DT, bitcast=True)
+        else:
+            gs = tl.load(VS + row[:, :, None] * NG + tl.arange(0, NG)[None, None, :])
+            gz = tl.load(VZ + row[:, :, None] * NG + tl.arange(0, NG)[None, None, :])
+        vs = tl.reshape(tl.broadcast_to(gs.to(VT)[:, :, :, None], (W, P, NG, GS // PV)), (W, P, DV))
+        vz = tl.reshape(tl.broadcast_to(gz.to(VT)[:, :, :, None], (W, P, NG, GS // PV)), (W, P, DV))
+        if V16:
+            v0 = _codes16(xv, 0, V_BITS, ASM, VT) * vs + vz
+            v1 = v0
+            v2 = v0
+            v3 = v0
+            if PV > 1:
+                v1 = _codes16(xv, 1, V_BITS, ASM, VT) * vs + vz
+            if PV > 2:
+                v2 = _codes16(xv, 2, V_BITS, ASM, VT) * vs + vz
+                v3 = _codes16(xv, 3, V_BITS, ASM, VT) * vs + vz
+            pv = p.to(VT)
+        else:
+            v0 = (_f32(xv, 0, V_BITS) * vs + vz).to(DOT)
+            v1 = v0
+            v2 = v0
+            v3 = v0
+            if PV > 1:
+                v1 = (_f32(xv, 1, V_BITS) * vs + vz).to(DOT)
+            if PV > 2:
+                v2 = (_f32(xv, 2, V_BITS) * vs + vz).to(DOT)
+                v3 = (_f32(xv, 3, V_BITS) * vs + vz).to(DOT)
+            pv = p.to(DOT)
+    return pv, v0, v1, v2, v3
+
+
+@triton.jit
+def _side_acc(a, alpha, p, v, PREC: tl.constexpr):
+    return a * alpha[:, :, None] + tl.dot(p, v, input_precision=PREC)
+
+
+@triton.jit
+def _fold(x, c):
+    """sum over the side-by-side pages of x [W, G_PAD, DV], each scaled by c [W, G_PAD]."""
+    return tl.sum(x * c[:, :, None], 0)
