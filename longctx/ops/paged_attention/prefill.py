@@ -155,15 +155,19 @@ def _prefill_kernel(
 def prefill_path(chunk: int, fmt) -> str:
     """"kernel" or "staged" for a prefill chunk of `chunk` queries over pages of format `fmt`
     (a BlockFormat), by TUNE["prefill"]; "auto" takes the kernel where it measured faster
-    (H200, whole chunk steps of `longctx bench prefill`, notes/decode-kernel.md v10): chunks
-    under prefill_staged_from tokens with a side of 4 bits or fewer, whose dequantization
-    staging pays for in full (int4 512-token chunks: 7.96 against 9.00 ms at 128k; int8 5.24
-    staged against 7.17; 2,048-token chunks and longer staged for both)."""
+    (H200, whole chunk steps of `longctx bench prefill` at 128k, notes/decode-kernel.md v10,
+    v11): with a side of 4 bits or fewer, chunks under prefill_staged_from tokens (int4: 1.61
+    against 5.74 ms for 16 tokens, 7.96-8.11 against 8.83-9.00 for 512; 2,048 and longer
+    staged); with 8 bits, chunks under prefill_staged_from8 (int8: 1.90 against 2.21 ms for
+    16 tokens, 2.22 against 2.48 for 64; staged 3.87 against 4.48 for 256). 16-bit pages
+    stage: the kernel was not measured on them."""
     option = TUNE["prefill"]
     if option not in ("auto", "kernel", "staged"):
         raise ValueError(f"TUNE['prefill'] must be 'auto', 'kernel' or 'staged', got {option!r}")
     if option == "auto":
-        return "kernel" if chunk < TUNE["prefill_staged_from"] and min(fmt.k_bits, fmt.v_bits) <= 4 else "staged"
+        bits = min(fmt.k_bits, fmt.v_bits)
+        below = TUNE["prefill_staged_from"] if bits <= 4 else TUNE["prefill_staged_from8"] if bits == 8 else 0
+        return "kernel" if chunk < below else "staged"
     return option
 
 
