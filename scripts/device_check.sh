@@ -25,10 +25,11 @@ stage decode 200 python3 -m longctx bench decode --contexts 4k,128k,512k --batch
 TAIL=14 stage e2e 220 python3 -m longctx bench e2e --context 128k --formats int4 --json "$OUT/e2e.json"
 TAIL=12 stage seal 45 python3 -m longctx bench seal --context 128k --formats int4,int8
 TAIL=24 stage prefill 200 python3 -m longctx bench prefill --contexts 32k,128k --chunks 512,2k,16k --json "$OUT/prefill.json"
+TAIL=30 stage prefill_short 150 python3 -m longctx bench prefill --contexts 128k --chunks 16,64,256,512 --json "$OUT/prefill_short.json"
 TAIL=40 stage diag_prefill 240 python3 scripts/diag_prefill.py int4
 TAIL=12 stage decode_b8 90 python3 -m longctx bench decode --graph --contexts 32k --batch 8 --formats int4,int8,bf16 --json "$OUT/decode_b8.json"
 TAIL=12 stage decode_p128 45 python3 -m longctx bench decode --contexts 128k,512k --batch 1 --formats int4 --block-size 128 --no-peers
-TAIL=60 stage sweep 300 python3 scripts/diag_speed.py "$OUT/diag_speed.json"
+TAIL=60 stage sweep 360 python3 scripts/diag_speed.py "$OUT/diag_speed.json"
 TAIL=70 stage diag_seal 120 python3 scripts/diag_seal.py int4
 TAIL=40 stage diag_model 120 python3 scripts/diag_model.py
 # prof: Nsight Compute on the decode kernel (int4, 128k and 4k, batch 1): the details page

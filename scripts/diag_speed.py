@@ -50,19 +50,16 @@ def sdpa_ms(B, T):
 # (label, bits, context, batch, block size, variants): each variant is TUNE's default plus
 # its overrides. The sweeps of earlier sessions (pages, asm, warps, stages, occupancy, v16,
 # words) and what they found are in notes/decode-kernel.md.
-# more programs per SM by capping registers (ptxas spills a few values: sm_90 SASS here, int4,
-# 13-29 local loads a page): 96 registers fit 5 programs of 4 warps, 80 fit 6 (with 2 stages,
-# whose shared memory also fits 6)
-OCC = [{"maxnreg": 96, "programs_per_sm": 5}, {"maxnreg": 96, "programs_per_sm": 5, "num_stages": 2},
-       {"maxnreg": 80, "programs_per_sm": 6, "num_stages": 2}]
+# Side by side (TUNE["side"]): W sealed pages a step, one a warp, along the batch dimension of
+# 3-D dots (no cross-warp exchange a page); programs_per_sm is raised so that the compiled
+# kernel's fit decides. g_pad: query rows a KV head is padded to (triton takes M < 16 by padding
+# inside the tensor-core tile). The occupancy sweep of v10 (maxnreg 96/80) is in the notes.
+WIN = {"side": 2, "programs_per_sm": 16, "g_pad": 4, "num_stages": 2}
+SIDE = [WIN, dict(WIN, v16=2), dict(WIN, side=1, programs_per_sm=32), dict(WIN, side=1, programs_per_sm=32, v16=2)]
 SWEEP = [
-    ("int4 128k", 4, 131072, 1, 64, [{}] + OCC),
-    ("int4 512k", 4, 524288, 1, 64, [{}] + OCC),
-    ("int8 128k", 8, 131072, 1, 64, [{}] + OCC),
-    ("int4 32k B8", 4, 32768, 8, 64, [{}] + OCC),
-    ("int4 4k", 4, 4096, 1, 64, [{}, {"short_stages": 1}, {"merge": "kernel"}, {"num_warps": 8}, {"num_warps": 8, "merge": "kernel"},
-                                 {"programs_per_sm": 2}, {"programs_per_sm": 2, "merge": "kernel"}] + OCC),
-    ("int8 4k", 8, 4096, 1, 64, [{}, {"merge": "kernel"}]),
+    ("int4 128k", 4, 131072, 1, 64, [{}] + SIDE),
+    ("int4 512k", 4, 524288, 1, 64, [{}] + SIDE),
+    ("int4 32k B8", 4, 32768, 8, 64, [{}] + SIDE),
 ]
 
 
