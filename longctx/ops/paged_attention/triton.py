@@ -322,9 +322,10 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # pipeline stages, at most side_programs programs per SM (the compiled kernel's fit decides).
 # H200, graph timing (scripts/diag_speed.py, notes v11), int4 at 128k / 512k / batch 8 at 32k:
 # side 2 0.0885 / 0.2991 / 0.1618 ms against 0.1066 / 0.3689 / 0.1971 for the 2-D loop; side 4
-# 0.0932 / 0.3278 / 0.1725; side 1 0.0867 / 0.3442 / 0.1608; side 4 with 16 rows 0.1181 (2
-# stages), with 3 stages 0.1191 (one program per SM: shared memory); capping registers at 168
-# or 128 (3 or 4 programs per SM) spilled, 0.1311 and 0.2230.
+# 0.0932 / 0.3278 / 0.1725; side 1 0.0867 / 0.3442 / 0.1608; at 128k side 4 with 16 rows 0.1119
+# (3 stages) and 0.1181 (2), with 4 rows and 3 stages 0.1191 (one program per SM: shared
+# memory); capping side 4's registers at 168 or 128 (3 or 4 programs per SM) spilled: 0.1311
+# and 0.2230.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
             pages=1, words=True, asm=True, merge="auto", side=2, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,

@@ -138,17 +138,16 @@ def _step_ids(trow, j, j1, PAGES: tl.constexpr):
 
 @triton.jit
 def _token_groups(X, row, ok, NG: tl.constexpr):
-    """[T, NG] per-token group values (V's scales or zeros) of pool rows `row` [T], masked
-    by ok [T]. 16-bit values load as one word per token (NG of them in an int16/32/64): a
-    4- or 8-byte load the pipeliner prefetches, where 2-byte loads stayed in the loop and
-    stalled it (Nsight Compute, H200, triton 3.6); split by shifts."""
+    """[..., NG] per-token group values (V's scales or zeros) of pool rows `row` [...] (one or
+    two dimensions), masked by ok. 16-bit values load as one word per token (NG of them in an
+    int16/32/64): a 4- or 8-byte load the pipeliner prefetches, where 2-byte loads stayed in
+    the loop and stalled it (Nsight Compute, H200, triton 3.6); split by shifts."""
     DT: tl.constexpr = X.dtype.element_ty
     if DT.primitive_bitwidth == 16 and NG <= 4:
-        w = _words16(X, row, ok, NG)
-        sh = (16 * tl.arange(0, NG)).to(w.dtype)
-        out = (w[:, None] >> sh[None, :]).to(tl.int16).to(DT, bitcast=True)
+        w = tl.expand_dims(_words16(X, row, ok, NG), -1)
+        out = (w >> (16 * tl.arange(0, NG)).to(w.dtype)).to(tl.int16).to(DT, bitcast=True)
     else:
-        out = tl.load(X + row[:, None] * NG + tl.arange(0, NG)[None, :], mask=ok[:, None], other=0.0)
+        out = tl.load(X + tl.expand_dims(row, -1) * NG + tl.arange(0, NG), mask=tl.expand_dims(ok, -1), other=0.0)
     return out
 
 
@@ -299,6 +298,38 @@ def _dense_values(vbase, sp, valid, offs_p, offs_v, PV: tl.constexpr, DOT: tl.co
 
 
 @triton.jit
+def _values_from_codes(xv, vs, vz, p, V_BITS: tl.constexpr, V16: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
+                       PV: tl.constexpr):
+    """V sub-tiles r = 0..PV-1 of code words xv, dequantized against per-column scales vs and
+    zeros vz (their dtype VT: 16-bit with V16, one FMA per value; else fp32, rounded once into
+    DOT), and p in the dtype the dot takes: (pv, v0..v3). Any shape (2-D or 3-D tiles)."""
+    VT: tl.constexpr = vs.dtype
+    if V16:  # 16-bit codes, exact
+        v0 = _codes16(xv, 0, V_BITS, ASM, VT) * vs + vz
+        v1 = v0
+        v2 = v0
+        v3 = v0
+        if PV > 1:
+            v1 = _codes16(xv, 1, V_BITS, ASM, VT) * vs + vz
+        if PV > 2:
+            v2 = _codes16(xv, 2, V_BITS, ASM, VT) * vs + vz
+            v3 = _codes16(xv, 3, V_BITS, ASM, VT) * vs + vz
+        pv = p.to(VT)
+    else:
+        v0 = (_f32(xv, 0, V_BITS) * vs + vz).to(DOT)
+        v1 = v0
+        v2 = v0
+        v3 = v0
+        if PV > 1:
+            v1 = (_f32(xv, 1, V_BITS) * vs + vz).to(DOT)
+        if PV > 2:
+            v2 = (_f32(xv, 2, V_BITS) * vs + vz).to(DOT)
+            v3 = (_f32(xv, 3, V_BITS) * vs + vz).to(DOT)
+        pv = p.to(DOT)
+    return pv, v0, v1, v2, v3
+
+
+@triton.jit
 def _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr, NG: tl.constexpr,
                  GS: tl.constexpr, V_BITS: tl.constexpr, V16: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
     """V sub-tiles of sealed pages' tokens at pool rows `row` [T] (masked by ok), dequantized
@@ -319,28 +350,7 @@ def _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D: tl.constexpr, DV: tl.con
         T: tl.constexpr = row.shape[0]
         vs = tl.reshape(tl.broadcast_to(_token_groups(VS, row, ok, NG).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
         vz = tl.reshape(tl.broadcast_to(_token_groups(VZ, row, ok, NG).to(VT)[:, :, None], (T, NG, GS // PV)), (T, DV))
-        if V16:  # 16-bit codes, exact; one 16-bit FMA per value
-            v0 = _codes16(xv, 0, V_BITS, ASM, VT) * vs + vz
-            v1 = v0
-            v2 = v0
-            v3 = v0
-            if PV > 1:
-                v1 = _codes16(xv, 1, V_BITS, ASM, VT) * vs + vz
-            if PV > 2:
-                v2 = _codes16(xv, 2, V_BITS, ASM, VT) * vs + vz
-                v3 = _codes16(xv, 3, V_BITS, ASM, VT) * vs + vz
-            pv = p.to(VT)
-        else:
-            v0 = (_f32(xv, 0, V_BITS) * vs + vz).to(DOT)
-            v1 = v0
-            v2 = v0
-            v3 = v0
-            if PV > 1:
-                v1 = (_f32(xv, 1, V_BITS) * vs + vz).to(DOT)
-            if PV > 2:
-                v2 = (_f32(xv, 2, V_BITS) * vs + vz).to(DOT)
-                v3 = (_f32(xv, 3, V_BITS) * vs + vz).to(DOT)
-            pv = p.to(DOT)
+        pv, v0, v1, v2, v3 = _values_from_codes(xv, vs, vz, p, V_BITS, V16, DOT, ASM, PV)
     return pv, v0, v1, v2, v3
 
 
@@ -471,40 +481,10 @@ def _side_values(VD, VC, VS, VZ, bh, p, offs_p, offs_v, D: tl.constexpr, P: tl.c
         xv = tl.load(VC + row[:, :, None] * DV + offs_v[None, None, :])
         VT: tl.constexpr = (tl.bfloat16 if V16 == 2 and V_BITS <= 4 and VS.dtype.element_ty == tl.bfloat16
                             else tl.float16 if V16 else tl.float32)
-        DT: tl.constexpr = VS.dtype.element_ty
-        if DT.primitive_bitwidth == 16 and NG <= 4:  # one word of NG 16-bit values a token
-            sh = 16 * tl.arange(0, NG)
-            ws = _words16(VS, row, row >= 0, NG)
-            wz = _words16(VZ, row, row >= 0, NG)
-            gs = (ws[:, :, None] >> sh.to(ws.dtype)[None, None, :]).to(tl.int16).to(DT, bitcast=True)
-            gz = (wz[:, :, None] >> sh.to(wz.dtype)[None, None, :]).to(tl.int16).to(DT, bitcast=True)
-        else:
-            gs = tl.load(VS + row[:, :, None] * NG + tl.arange(0, NG)[None, None, :])
-            gz = tl.load(VZ + row[:, :, None] * NG + tl.arange(0, NG)[None, None, :])
-        vs = tl.reshape(tl.broadcast_to(gs.to(VT)[:, :, :, None], (W, P, NG, GS // PV)), (W, P, DV))
-        vz = tl.reshape(tl.broadcast_to(gz.to(VT)[:, :, :, None], (W, P, NG, GS // PV)), (W, P, DV))
-        if V16:
-            v0 = _codes16(xv, 0, V_BITS, ASM, VT) * vs + vz
-            v1 = v0
-            v2 = v0
-            v3 = v0
-            if PV > 1:
-                v1 = _codes16(xv, 1, V_BITS, ASM, VT) * vs + vz
-            if PV > 2:
-                v2 = _codes16(xv, 2, V_BITS, ASM, VT) * vs + vz
-                v3 = _codes16(xv, 3, V_BITS, ASM, VT) * vs + vz
-            pv = p.to(VT)
-        else:
-            v0 = (_f32(xv, 0, V_BITS) * vs + vz).to(DOT)
-            v1 = v0
-            v2 = v0
-            v3 = v0
-            if PV > 1:
-                v1 = (_f32(xv, 1, V_BITS) * vs + vz).to(DOT)
-            if PV > 2:
-                v2 = (_f32(xv, 2, V_BITS) * vs + vz).to(DOT)
-                v3 = (_f32(xv, 3, V_BITS) * vs + vz).to(DOT)
-            pv = p.to(DOT)
+        ok = row >= 0  # (every side-by-side row is a valid one)
+        vs = tl.reshape(tl.broadcast_to(_token_groups(VS, row, ok, NG).to(VT)[:, :, :, None], (W, P, NG, GS // PV)), (W, P, DV))
+        vz = tl.reshape(tl.broadcast_to(_token_groups(VZ, row, ok, NG).to(VT)[:, :, :, None], (W, P, NG, GS // PV)), (W, P, DV))
+        pv, v0, v1, v2, v3 = _values_from_codes(xv, vs, vz, p, V_BITS, V16, DOT, ASM, PV)
     return pv, v0, v1, v2, v3
 
 
