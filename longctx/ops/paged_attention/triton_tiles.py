@@ -210,6 +210,21 @@ def _store(O, off, a0, a1, a2, a3, inv, om, PV: tl.constexpr):
 
 
 @triton.jit
+def _k_scales(KS, KZ, ksw, kzw, chan, mask, r: tl.constexpr, W16: tl.constexpr):
+    """K's scales and zeros of sub-tile r: split from the words ksw/kzw loaded once a page
+    (W16: 16-bit values), else loaded at pool offsets chan + r (chan: channel PK*i of the
+    page's head, any shape; masked by mask)."""
+    DT: tl.constexpr = KS.dtype.element_ty
+    if W16:
+        sr = _half16(ksw, r, DT)
+        zr = _half16(kzw, r, DT)
+    else:
+        sr = tl.load(KS + chan + r, mask=mask, other=0.0)
+        zr = tl.load(KZ + chan + r, mask=mask, other=0.0)
+    return sr, zr
+
+
+@triton.jit
 def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
                  D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr, K_BITS: tl.constexpr,
                  DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr):
@@ -244,12 +259,7 @@ def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, q
         zq = tl.zeros((qp.shape[0],), tl.float32)  # q . z (K16 < 3)
         for r in tl.static_range(PK):
             qr = _pick(qp0, qp1, qp2, qp3, r)
-            if W16:
-                sr = _half16(ksw, r, DT)
-                zr = _half16(kzw, r, DT)
-            else:
-                sr = tl.load(KS + bh * D + PK * offs_k + r, mask=km, other=0.0)
-                zr = tl.load(KZ + bh * D + PK * offs_k + r, mask=km, other=0.0)
+            sr, zr = _k_scales(KS, KZ, ksw, kzw, bh * D + PK * offs_k, km, r, W16)
             if K16 == 3:  # K dequantized in KDT against the fixed KDT query
                 s += tl.dot(qr, tl.trans(_codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[None, :] + zr.to(KDT)[None, :]))
             elif K16 == 4:  # K dequantized in fp32, rounded once into DOT, against the fixed DOT query
@@ -449,12 +459,8 @@ def _side_scores(KD, KC, KS, KZ, bh, q3, q30, q31, q32, q33, offs_p, offs_d, off
             kzw = _words16(KZ, idx, idx >= 0, PK)
         for r in tl.static_range(PK):
             qr = _pick(q30, q31, q32, q33, r)
-            if W16:
-                sr = _half16(ksw, r, DT)
-                zr = _half16(kzw, r, DT)
-            else:
-                sr = tl.load(KS + bh[:, None] * D + PK * offs_k[None, :] + r)
-                zr = tl.load(KZ + bh[:, None] * D + PK * offs_k[None, :] + r)
+            chan = bh[:, None] * D + PK * offs_k[None, :]
+            sr, zr = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
             if K16 == 3:
                 kd = _codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[:, None, :] + zr.to(KDT)[:, None, :]
                 s += tl.dot(qr, tl.permute(kd, (0, 2, 1)))
