@@ -29,7 +29,7 @@ from ...errors import BackendUnavailableError
 from ...quant import hadamard
 from ..pages import PagedView, kernel_pools
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
-from .triton_tiles import NEG_BIG, _fold, _load_queries, _page_scores, _page_values, _side_acc, _side_scores, _side_values
+from .triton_tiles import NEG_BIG, _fold, _load_queries, _page_scores, _page_values, _side_scores, _side_values
 from .triton_tiles import _softmax_step, _step_ids, _zero_state
 
 
@@ -108,13 +108,12 @@ def _decode_kernel(
     # 2. sealed pages: WP side by side a step (a warp each), or PAGES a step across the warps
     if WP > 0:
         m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _sealed_side(
-            KD, KC, KS, KZ, VD, VC, VS, VZ, TABLE + b * stride_tb, h, tl.maximum(lo, n_sink), tl.minimum(hi, n_blocks), start,
-            qp, qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
+            KC, KS, KZ, VC, VS, VZ, TABLE + b * stride_tb, h, tl.maximum(lo, n_sink), tl.minimum(hi, n_blocks), start,
+            qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
             H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP)
-    else:  # PAGES of them per iteration (more loads in flight per program): K scores
-        # per page with its per-channel scales folded into the query, (q*s).codes + q.z, joined
-        # into one [G_PAD, PAGES*P] tile whose token t is page t % PAGES, row t // PAGES; V rows
-        # are loaded in that order.
+    else:  # PAGES of them per iteration (more loads in flight per program): K scores per
+        # page (_page_scores) joined into one [G_PAD, PAGES*P] tile whose token t is page
+        # t % PAGES, row t // PAGES; V rows are loaded in that order.
         T: tl.constexpr = PAGES * P
         offs_t = tl.arange(0, T)
         n_t = offs_t % PAGES
@@ -164,25 +163,23 @@ def _decode_kernel(
 
 
 @triton.jit
-def _sealed_side(KD, KC, KS, KZ, VD, VC, VS, VZ, trow, h, j0, j1, start, qp, qp0, qp1, qp2, qp3,
+def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, qp3,
                  m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
                  H: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr,
                  V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                  K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr, ASM: tl.constexpr, PK: tl.constexpr,
                  PV: tl.constexpr, WP: tl.constexpr):
-    """The sealed blocks j0 .. j1 - 1 of a row's table (trow), WP pages side by side a step
-    (triton_tiles' _side_*): each keeps its own online softmax over the pages it sees, and
-    the WP states fold into the program's (m_i, l_i, accumulators) at the end; with ROTATE the
-    sealed pages' share goes to the rotated accumulators r0..r3."""
+    """The sealed (quantized) blocks j0 .. j1 - 1 of a row's table (trow), WP pages side by
+    side a step (triton_tiles' _side_*): each keeps its own online softmax over the pages it
+    sees, and the WP states fold into the program's (m_i, l_i, accumulators) at the end; with
+    ROTATE the sealed pages' share goes to the rotated accumulators r0..r3."""
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
     offs_w = tl.arange(0, WP)
     offs_p = tl.arange(0, P)
-    offs_d = tl.arange(0, D)
     offs_k = tl.arange(0, DK)
     offs_v = tl.arange(0, DV)
-    q3 = tl.broadcast_to(qp[None, :, :], (WP, G_PAD, D))
     q30 = tl.broadcast_to(qp0[None, :, :], (WP, G_PAD, DK))
     q31 = tl.broadcast_to(qp1[None, :, :], (WP, G_PAD, DK))
     q32 = tl.broadcast_to(qp2[None, :, :], (WP, G_PAD, DK))
@@ -200,23 +197,13 @@ def _sealed_side(KD, KC, KS, KZ, VD, VC, VS, VZ, trow, h, j0, j1, start, qp, qp0
     for j in range(j0, j1, WP):
         bh = ids.to(tl.int64) * H + h
         ids = tl.load(trow + tl.maximum(tl.minimum(j + WP + offs_w, last), 0))
-        s = _side_scores(KD, KC, KS, KZ, bh, q3, q30, q31, q32, q33, offs_p, offs_d, offs_k,
-                         D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
+        s = _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k, D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
         page = j + offs_w
         keep = (page < j1)[:, None] & (page[:, None] * P + offs_p[None, :] >= start)
         s = tl.where(keep[:, None, :], s, float("-inf"))
-        m_new = tl.maximum(mw, tl.max(s, 2))
-        alpha = tl.exp2(mw - m_new)
-        p = tl.exp2(s - m_new[:, :, None])
-        lw = lw * alpha + tl.sum(p, 2)
-        mw = m_new
-        pv, v0, v1, v2, v3 = _side_values(VD, VC, VS, VZ, bh, p, offs_p, offs_v, D, P, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
-        w0 = _side_acc(w0, alpha, pv, v0, PREC)
-        if PV > 1:
-            w1 = _side_acc(w1, alpha, pv, v1, PREC)
-        if PV > 2:
-            w2 = _side_acc(w2, alpha, pv, v2, PREC)
-            w3 = _side_acc(w3, alpha, pv, v3, PREC)
+        mw, lw, p, alpha = _softmax_step(s, mw, lw)
+        pv, v0, v1, v2, v3 = _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
+        w0, w1, w2, w3 = _acc(w0, w1, w2, w3, alpha, pv, v0, v1, v2, v3, PV, PREC)
     m_new = tl.maximum(m_i, tl.max(mw, 0))
     c_in = tl.exp2(m_i - m_new)
     c_w = tl.exp2(mw - m_new[None, :])
@@ -230,9 +217,10 @@ def _sealed_side(KD, KC, KS, KZ, VD, VC, VS, VZ, trow, h, j0, j1, start, qp, qp0
     if PV > 2:
         f2 = _fold(w2, c_w)
         f3 = _fold(w3, c_w)
-    a0, a1, a2, a3 = a0 * c_in[:, None], a1 * c_in[:, None], a2 * c_in[:, None], a3 * c_in[:, None]
+    a0, a1, a2, a3 = _acc(a0, a1, a2, a3, c_in, None, None, None, None, None, PV, PREC)
     if ROTATE:
-        r0, r1, r2, r3 = r0 * c_in[:, None] + f0, r1 * c_in[:, None] + f1, r2 * c_in[:, None] + f2, r3 * c_in[:, None] + f3
+        r0, r1, r2, r3 = _acc(r0, r1, r2, r3, c_in, None, None, None, None, None, PV, PREC)
+        r0, r1, r2, r3 = r0 + f0, r1 + f1, r2 + f2, r3 + f3
     else:
         a0, a1, a2, a3 = a0 + f0, a1 + f1, a2 + f2, a3 + f3
     return m_new, l_i, a0, a1, a2, a3, r0, r1, r2, r3

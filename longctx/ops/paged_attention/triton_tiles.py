@@ -167,22 +167,24 @@ def _half16(w, r: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def _softmax_step(s, m_i, l_i):
-    """Online softmax, base 2, over one block of scores s [G_PAD, P] (masked = -inf)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    """Online softmax, base 2, over one block of scores s [..., rows, P] (masked = -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, -1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+    p = tl.exp2(s - tl.expand_dims(m_new, -1))
+    return m_new, l_i * alpha + tl.sum(p, -1), p, alpha
 
 
 @triton.jit
 def _acc(a0, a1, a2, a3, alpha, p, v0, v1, v2, v3, PV: tl.constexpr, PREC: tl.constexpr):
-    """Rescale the PV sub-tile accumulators by alpha and add p @ v_r (v None: rescale only)."""
-    a0 = a0 * alpha[:, None]
+    """Rescale the PV sub-tile accumulators [..., rows, DV] by alpha [..., rows] and add p @ v_r
+    (v None: rescale only)."""
+    c = tl.expand_dims(alpha, -1)
+    a0 = a0 * c
     if PV > 1:
-        a1 = a1 * alpha[:, None]
+        a1 = a1 * c
     if PV > 2:
-        a2 = a2 * alpha[:, None]
-        a3 = a3 * alpha[:, None]
+        a2 = a2 * c
+        a3 = a3 * c
     if v0 is not None:
         a0 += tl.dot(p, v0, input_precision=PREC)
         if PV > 1:
@@ -436,67 +438,48 @@ def _finish(O, OR, LSE, orow, omask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, o
 
 
 @triton.jit
-def _side_scores(KD, KC, KS, KZ, bh, q3, q30, q31, q32, q33, offs_p, offs_d, offs_k,
+def _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k,
                  D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr, K_BITS: tl.constexpr,
                  DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr):
-    """Base-2 scores [W, G_PAD, P] of the pages at pool rows bh [W] (block * H + head) against
-    the queries broadcast over W (q3 [W, G_PAD, D], its sub-tiles q30..q33 [W, G_PAD, DK]):
-    K16 == 3 dequantizes K in KDT against 16-bit queries, else in fp32 rounded once into DOT."""
-    W: tl.constexpr = q3.shape[0]
-    s = tl.zeros((W, q3.shape[1], P), tl.float32)
-    if K_BITS == 16:
-        k = tl.load(KD + (bh[:, None, None] * P + offs_p[None, :, None]) * D + offs_d[None, None, :])
-        s = tl.dot(q3.to(DOT), tl.permute(k.to(DOT), (0, 2, 1)), input_precision=PREC)
-    else:
-        xk = tl.load(KC + (bh[:, None, None] * P + offs_p[None, :, None]) * DK + offs_k[None, None, :])
-        DT: tl.constexpr = KS.dtype.element_ty
-        W16: tl.constexpr = DT.primitive_bitwidth == 16
-        ksw = xk
-        kzw = xk
-        if W16:
-            idx = bh[:, None] * DK + offs_k[None, :]
-            ksw = _words16(KS, idx, idx >= 0, PK)
-            kzw = _words16(KZ, idx, idx >= 0, PK)
-        for r in tl.static_range(PK):
-            qr = _pick(q30, q31, q32, q33, r)
-            chan = bh[:, None] * D + PK * offs_k[None, :]
-            sr, zr = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
-            if K16 == 3:
-                kd = _codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[:, None, :] + zr.to(KDT)[:, None, :]
-                s += tl.dot(qr, tl.permute(kd, (0, 2, 1)))
-            else:
-                kf = _f32(xk, r, K_BITS) * sr.to(tl.float32)[:, None, :] + zr.to(tl.float32)[:, None, :]
-                s += tl.dot(qr.to(DOT), tl.permute(kf.to(DOT), (0, 2, 1)), input_precision=PREC)
+    """Base-2 scores [W, G_PAD, P] of the quantized pages at pool rows bh [W] (block * H +
+    head) against the query sub-tiles broadcast over W (q30..q33 [W, G_PAD, DK]): K16 == 3
+    dequantizes K in KDT against 16-bit queries, else in fp32 rounded once into DOT."""
+    s = tl.zeros((q30.shape[0], q30.shape[1], P), tl.float32)
+    xk = tl.load(KC + (bh[:, None, None] * P + offs_p[None, :, None]) * DK + offs_k[None, None, :])
+    W16: tl.constexpr = KS.dtype.element_ty.primitive_bitwidth == 16
+    chan = bh[:, None] * D + PK * offs_k[None, :]  # channel PK*i of each page's head
+    ksw = xk
+    kzw = xk
+    if W16:
+        idx = bh[:, None] * DK + offs_k[None, :]
+        ksw = _words16(KS, idx, idx >= 0, PK)
+        kzw = _words16(KZ, idx, idx >= 0, PK)
+    for r in tl.static_range(PK):
+        qr = _pick(q30, q31, q32, q33, r)
+        sr, zr = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
+        if K16 == 3:
+            kd = _codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[:, None, :] + zr.to(KDT)[:, None, :]
+            s += tl.dot(qr, tl.permute(kd, (0, 2, 1)))
+        else:
+            kf = _f32(xk, r, K_BITS) * sr.to(tl.float32)[:, None, :] + zr.to(tl.float32)[:, None, :]
+            s += tl.dot(qr.to(DOT), tl.permute(kf.to(DOT), (0, 2, 1)), input_precision=PREC)
     return s
 
 
 @triton.jit
-def _side_values(VD, VC, VS, VZ, bh, p, offs_p, offs_v, D: tl.constexpr, P: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr,
+def _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr,
                  NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, V16: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
-    """V sub-tiles [W, P, DV] of the pages at pool rows bh [W], dequantized in registers, and
-    the probabilities p [W, G_PAD, P] in the dtype their dot takes: (pv, v0..v3)."""
+    """V sub-tiles [W, P, DV] of the quantized pages at pool rows bh [W], dequantized in
+    registers, and the probabilities p [W, G_PAD, P] in the dtype their dot takes: (pv, v0..v3)."""
     W: tl.constexpr = p.shape[0]
     row = bh[:, None] * P + offs_p[None, :]  # [W, P] rows of the [N * H * P, ...] pool
-    if V_BITS == 16:
-        v0 = tl.load(VD + row[:, :, None] * D + offs_v[None, None, :]).to(DOT)
-        v1 = v0
-        v2 = v0
-        v3 = v0
-        pv = p.to(DOT)
-    else:
-        xv = tl.load(VC + row[:, :, None] * DV + offs_v[None, None, :])
-        VT: tl.constexpr = (tl.bfloat16 if V16 == 2 and V_BITS <= 4 and VS.dtype.element_ty == tl.bfloat16
-                            else tl.float16 if V16 else tl.float32)
-        ok = row >= 0  # (every side-by-side row is a valid one)
-        vs = tl.reshape(tl.broadcast_to(_token_groups(VS, row, ok, NG).to(VT)[:, :, :, None], (W, P, NG, GS // PV)), (W, P, DV))
-        vz = tl.reshape(tl.broadcast_to(_token_groups(VZ, row, ok, NG).to(VT)[:, :, :, None], (W, P, NG, GS // PV)), (W, P, DV))
-        pv, v0, v1, v2, v3 = _values_from_codes(xv, vs, vz, p, V_BITS, V16, DOT, ASM, PV)
-    return pv, v0, v1, v2, v3
-
-
-@triton.jit
-def _side_acc(a, alpha, p, v, PREC: tl.constexpr):
-    return a * alpha[:, :, None] + tl.dot(p, v, input_precision=PREC)
+    xv = tl.load(VC + row[:, :, None] * DV + offs_v[None, None, :])
+    VT: tl.constexpr = (tl.bfloat16 if V16 == 2 and V_BITS <= 4 and VS.dtype.element_ty == tl.bfloat16
+                        else tl.float16 if V16 else tl.float32)
+    ok = row >= 0  # (every side-by-side row is a valid one)
+    vs = tl.reshape(tl.broadcast_to(_token_groups(VS, row, ok, NG).to(VT)[:, :, :, None], (W, P, NG, GS // PV)), (W, P, DV))
+    vz = tl.reshape(tl.broadcast_to(_token_groups(VZ, row, ok, NG).to(VT)[:, :, :, None], (W, P, NG, GS // PV)), (W, P, DV))
+    return _values_from_codes(xv, vs, vz, p, V_BITS, V16, DOT, ASM, PV)
 
 
 @triton.jit
