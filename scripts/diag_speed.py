@@ -51,15 +51,14 @@ def sdpa_ms(B, T):
 # its overrides. The sweeps of earlier sessions (pages, asm, warps, stages, occupancy, v16,
 # words) and what they found are in notes/decode-kernel.md.
 # Side by side (TUNE["side"]): W sealed pages a step, one a warp, along the batch dimension of
-# 3-D dots (no cross-warp exchange a page); programs_per_sm is raised so that the compiled
-# kernel's fit decides. g_pad: query rows a KV head is padded to (triton takes M < 16 by padding
-# inside the tensor-core tile). The occupancy sweep of v10 (maxnreg 96/80) is in the notes.
-WIN = {"side": 2, "programs_per_sm": 16, "g_pad": 4, "num_stages": 2}
-SIDE = [WIN, dict(WIN, v16=2), dict(WIN, side=1, programs_per_sm=32), dict(WIN, side=1, programs_per_sm=32, v16=2)]
+# 3-D dots (no cross-warp exchange a page). side_k16: K's arithmetic there (1: scales folded
+# into the query per page against fp16 1024 + code; 3: K dequantized in 16 bits). The sweeps
+# of the first side-by-side session (rows, stages, register caps) are in the notes (v11).
+SIDE = [{}, {"side_k16": 3}, {"side": 1}, {"side": 4}, {"side": 0}]
 SWEEP = [
-    ("int4 128k", 4, 131072, 1, 64, [{}] + SIDE),
-    ("int4 512k", 4, 524288, 1, 64, [{}] + SIDE),
-    ("int4 32k B8", 4, 32768, 8, 64, [{}] + SIDE),
+    ("int4 128k", 4, 131072, 1, 64, SIDE),
+    ("int4 512k", 4, 524288, 1, 64, SIDE),
+    ("int4 32k B8", 4, 32768, 8, 64, SIDE),
 ]
 
 

@@ -143,16 +143,20 @@ SIDE_CASES = [_long(CASES[1], 1), _long(CASES[3], 2), _long(CASES[4], 2), _long(
               _long(CASES[11], 2)]
 
 
-@pytest.mark.parametrize("side", [1, 2, 4])
+@pytest.mark.parametrize("side, k16", [(1, 1), (2, 1), (4, 1), (2, 3), (2, 0)], ids=lambda v: str(v))
 @pytest.mark.parametrize("case", SIDE_CASES, ids=[case_id(c) for c in SIDE_CASES])
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
-def test_side_by_side_pages_within_budget(case, side, dtype, monkeypatch):
-    """Sealed pages side by side (one a warp, folded into one softmax state at the end): the
+def test_side_by_side_pages_within_budget(case, side, k16, dtype, monkeypatch):
+    """Sealed pages side by side (one a warp, folded into one softmax state at the end), with
+    each of K's arithmetics (scales folded into the query, 16-bit dequantization, fp32): the
     grid's error budget, with padding, rotation, int2, GQA 3, V groups of 16 and 32, one
     split and merged splits."""
+    if dtype == torch.float32 and k16 != 1:
+        pytest.skip("fp32 inputs take K in fp32 whatever side_k16 says: the (.., 1) cases run them")
     monkeypatch.setitem(TUNE, "side", side)
+    monkeypatch.setitem(TUNE, "side_k16", k16)
     test_triton_decode_within_budget(case, dtype)
-    assert K.LAST["side"] == side
+    assert K.LAST["side"] == side and K.LAST["k16"] == (k16 if dtype != torch.float32 else 0)
 
 
 def test_side_rule(monkeypatch):
@@ -163,15 +167,23 @@ def test_side_rule(monkeypatch):
         cfg = KVConfig(bits=bits, k_bits=k_bits, block_size=block)
         return BlockFormat(*cfg.layer_bits(0), block, cfg.group_size, 128, 8, torch.bfloat16, cfg.rotate)
 
-    assert _side(fmt(4), 3, short=False) == TUNE["side"] and _side(fmt(4), 0, short=False) == TUNE["side"]
-    assert _side(fmt(4), 3, short=True) == 0  # one or two pages a program: the 2-D loop
-    assert _side(fmt(4), 2, short=False) == 0  # scales folded into the query per page
-    assert _side(fmt(8), 3, short=False) == 0
-    assert _side(fmt(4, k_bits=8), 3, short=False) == 0
-    assert _side(fmt(2, block=16), 3, short=False) == TUNE["side"]
-    assert _side(fmt(4, block=128), 3, short=False) == 0
+    assert _side(fmt(4), short=False) == TUNE["side"]
+    assert _side(fmt(4), short=True) == 0  # one or two pages a program: the 2-D loop
+    assert _side(fmt(8), short=False) == 0
+    assert _side(fmt(4, k_bits=8), short=False) == 0
+    assert _side(fmt(2, block=16), short=False) == TUNE["side"]
+    assert _side(fmt(4, block=128), short=False) == 0
     monkeypatch.setitem(TUNE, "side", 0)
-    assert _side(fmt(4), 3, short=False) == 0
+    assert _side(fmt(4), short=False) == 0
+
+
+def test_side_k16_rule(monkeypatch):
+    from longctx.ops.paged_attention.triton import _side_k16
+
+    for k16 in (0, 1, 3):
+        monkeypatch.setitem(TUNE, "side_k16", k16)
+        assert _side_k16(half=True, scales16=True) == k16 and _side_k16(half=False, scales16=True) == 0
+    assert _side_k16(half=True, scales16=False) == 1  # 16-bit dequantization needs 16-bit scales
 
 
 # Prefill chunks (C > 1) on the triton backend: gather_dequant kernel into one staging
@@ -256,7 +268,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

@@ -315,7 +315,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # memory); capping side 4's registers at 168 or 128 (3 or 4 programs per SM) spilled: 0.1311
 # and 0.2230.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=True, merge="auto", side=2, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=True, merge="auto", side=2, side_k16=1, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -411,17 +411,25 @@ def _pages_per_step(fmt) -> int:
     return max(1, min(TUNE["pages"], 128 // fmt.block_size))
 
 
-def _side(fmt, k16: int, short: bool) -> int:
+def _side(fmt, short: bool) -> int:
     """Sealed pages a loop step side by side, one a warp (TUNE["side"]; 0: the 2-D loop): for
-    pages of at most 64 tokens and 4 bits on both sides whose K dequantizes against a fixed
-    query (k16 0 or 3), where a program gets more than two pages. Where it measured slower
-    (H200, notes v11): int8 pages (0.1351 against 0.1218 ms at 128k) and short contexts
-    (int4 8k 0.0206 against 0.0198). Larger pages were not measured."""
+    pages of at most 64 tokens and 4 bits on both sides, where a program gets more than two
+    pages. Where it measured slower (H200, notes v11): int8 pages (0.1351 against 0.1218 ms at
+    128k) and short contexts (int4 8k 0.0206 against 0.0198). Larger pages were not measured."""
     if TUNE["side"] not in (0, 1, 2, 4, 8):
         raise ValueError(f"TUNE['side'] must be 0, 1, 2, 4 or 8 (pages a step, one a warp), got {TUNE['side']!r}")
-    if not TUNE["side"] or short or max(fmt.k_bits, fmt.v_bits) > 4 or fmt.block_size > 64 or k16 not in (0, 3):
+    if TUNE["side_k16"] not in (0, 1, 3):
+        raise ValueError(f"TUNE['side_k16'] must be 0, 1 or 3, got {TUNE['side_k16']!r}")
+    if not TUNE["side"] or short or max(fmt.k_bits, fmt.v_bits) > 4 or fmt.block_size > 64:
         return 0
     return TUNE["side"]
+
+
+def _side_k16(half: bool, scales16: bool) -> int:
+    """K's arithmetic side by side (TUNE["side_k16"]): 1 folds the scales into the query per
+    page, 3 dequantizes K in 16 bits (needs 16-bit scales; else 1), 0 (and fp32 inputs) in fp32."""
+    k16 = TUNE["side_k16"] if half else 0
+    return 1 if k16 == 3 and not scales16 else k16
 
 
 def _interpreting() -> bool:
@@ -519,8 +527,9 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     guess = splits or num_splits(B, H, total, sm, ppsm)
     # programs of one or two pages (short contexts) have nothing for a third stage to prefetch
     short = not sixteen and math.ceil(total / guess) <= 2
-    side = _side(fmt, st.consts["K16"], short)
+    side = _side(fmt, short)
     opts = dict(num_warps=side or TUNE["num_warps"])
+    k16 = _side_k16(st.consts["DOT"] != tl.float32, KS.dtype in (torch.float16, torch.bfloat16)) if side else st.consts["K16"]
     stages = TUNE["side_stages"] if side else TUNE["stages16"] if sixteen else TUNE["short_stages"] if short else TUNE["num_stages"]
     if stages is not None:
         opts["num_stages"] = stages
@@ -531,7 +540,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         opts["maxnreg"] = TUNE["maxnreg"]  # programs_per_sm programs must fit the register file
     pages_per_step = side or _pages_per_step(fmt)
     rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(G))  # (triton pads a dot's M < 16 itself)
-    consts = dict(st.consts, G_PAD=rows, PAGES=pages_per_step, WP=side,
+    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side,
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -562,7 +571,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
                 n_blocks, min(view.n_sink, n_blocks), tail_len, bps, scale, splits)
         if warmup:
             return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, **consts)
-        LAST["kernel"], LAST["grid"], LAST["side"] = _decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), (B * H, splits), side
+        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16)
         return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:

@@ -87,6 +87,55 @@ def _asm16(x, r: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
     return out
 
 
+# ASM4 (GPU): two int16 words of int4 codes per 32-bit register -> all four sub-tiles at once,
+# as fp16 pairs, with one shift: nibbles 0 and 2 (after the shift) OR-ed into fp16 1024 give
+# 1024 + c, nibbles 1 and 3 give 1024 + 16c. "biased" leaves them so (the caller folds 1/16 and
+# the 1024 offset into its other operand); "exact" turns them into c (a subtract, or an FMA
+# by 1/16 and -64).
+def _asm_int4x4(exact: bool) -> str:
+    lo, hi = "lop3.b32 {}, {}, 0x000F000F, 0x64006400, 0xea; ", "lop3.b32 {}, {}, 0x00F000F0, 0x64006400, 0xea; "
+    body = (lo.format("$0", "$4") + hi.format("$1", "$4") + "shr.b32 t, $4, 8; " + lo.format("$2", "t") + hi.format("$3", "t"))
+    if exact:
+        body += ("mov.b32 k, 0x64006400; mov.b32 u, 0x2C002C00; mov.b32 w, 0xD400D400; sub.f16x2 $0, $0, k; "
+                 "fma.rn.f16x2 $1, $1, u, w; sub.f16x2 $2, $2, k; fma.rn.f16x2 $3, $3, u, w; ")
+    return "{ .reg .b32 t, k, u, w; " + body + "}"
+
+
+ASM4_BIASED, ASM4_EXACT = tl.constexpr(_asm_int4x4(False)), tl.constexpr(_asm_int4x4(True))
+
+
+@triton.jit
+def _f16_biased(x, r: tl.constexpr, BITS: tl.constexpr):
+    """Sub-tile r as fp16 1024 + code, or 1024 + 16 * code for the odd nibbles of int4 (what
+    ASM4_BIASED gives: the caller divides its other operand by 16 there), exact."""
+    c = _code(x, r, BITS).to(tl.int16)
+    if BITS == 4 and r % 2 == 1:
+        c = c << 4
+    return (c | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _codes_f16x4(x, BITS: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr):
+    """Sub-tiles 0..3 of code words x as fp16: exact codes, or with BIASED as _f16_biased gives
+    them. int4 in int16 words on the GPU: one inline-PTX block for all four (ASM4_*)."""
+    if ASM and BITS == 4 and x.dtype == tl.int16:
+        if BIASED:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(ASM4_BIASED, "=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+        else:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(ASM4_EXACT, "=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+    elif BIASED:
+        c0 = _f16_biased(x, 0, BITS)
+        c1 = _f16_biased(x, 1, BITS)
+        c2 = _f16_biased(x, 2, BITS)
+        c3 = _f16_biased(x, 3, BITS)
+    else:
+        c0 = _f16(x, 0, BITS, ASM)
+        c1 = _f16(x, 1, BITS, ASM)
+        c2 = _f16(x, 2, BITS, ASM)
+        c3 = _f16(x, 3, BITS, ASM)
+    return c0, c1, c2, c3
+
+
 @triton.jit
 def _f16(x, r: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """Sub-tile r as fp16 codes, exact: by inline PTX on int16 words, else 1024 + c - 1024."""
@@ -316,7 +365,14 @@ def _values_from_codes(xv, vs, vz, p, V_BITS: tl.constexpr, V16: tl.constexpr, D
     zeros vz (their dtype VT: 16-bit with V16, one FMA per value; else fp32, rounded once into
     DOT), and p in the dtype the dot takes: (pv, v0..v3). Any shape (2-D or 3-D tiles)."""
     VT: tl.constexpr = vs.dtype
-    if V16:  # 16-bit codes, exact
+    if V16 and ASM and VT == tl.float16 and V_BITS == 4 and xv.dtype == tl.int16:  # four sub-tiles, one shift
+        c0, c1, c2, c3 = _codes_f16x4(xv, V_BITS, ASM, False)
+        v0 = c0 * vs + vz
+        v1 = c1 * vs + vz
+        v2 = c2 * vs + vz
+        v3 = c3 * vs + vz
+        pv = p.to(VT)
+    elif V16:  # 16-bit codes, exact
         v0 = _codes16(xv, 0, V_BITS, ASM, VT) * vs + vz
         v1 = v0
         v2 = v0
@@ -442,9 +498,18 @@ def _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k,
                  D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr, K_BITS: tl.constexpr,
                  DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr):
     """Base-2 scores [W, G_PAD, P] of the quantized pages at pool rows bh [W] (block * H +
-    head) against the query sub-tiles broadcast over W (q30..q33 [W, G_PAD, DK]): K16 == 3
-    dequantizes K in KDT against 16-bit queries, else in fp32 rounded once into DOT."""
-    s = tl.zeros((q30.shape[0], q30.shape[1], P), tl.float32)
+    head) against the query sub-tiles broadcast over W (q30..q33 [W, G_PAD, DK]), computed
+    transposed (K·Qᵀ: the page's codes are the dot's first operand, the few query rows the
+    second, which the tensor cores pad to 8 columns where a first operand pads to 16 rows).
+    K16 == 1 folds K's per-channel scales into the fp32 query, (q*s)_r rounded to fp16, and
+    dots it with fp16 1024 + code (int4: 1024 + 16 * code for odd nibbles, against q*s/16;
+    about one LOP3 a pair of codes), then adds q . z - 1024 * the sum of the rounded q*s the
+    dots saw; 3 dequantizes K in KDT against 16-bit queries; 0 in fp32,
+    rounded once into DOT."""
+    W: tl.constexpr = q30.shape[0]
+    G_PAD: tl.constexpr = q30.shape[1]
+    st = tl.zeros((W, P, G_PAD), tl.float32)
+    corr = tl.zeros((W, G_PAD, DK), tl.float32)  # q*z - 1024 * fp16(q*s), summed once (K16 == 1)
     xk = tl.load(KC + (bh[:, None, None] * P + offs_p[None, :, None]) * DK + offs_k[None, None, :])
     W16: tl.constexpr = KS.dtype.element_ty.primitive_bitwidth == 16
     chan = bh[:, None] * D + PK * offs_k[None, :]  # channel PK*i of each page's head
@@ -454,15 +519,27 @@ def _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k,
         idx = bh[:, None] * DK + offs_k[None, :]
         ksw = _words16(KS, idx, idx >= 0, PK)
         kzw = _words16(KZ, idx, idx >= 0, PK)
+    if K16 == 1:
+        c0, c1, c2, c3 = _codes_f16x4(xk, K_BITS, ASM, True)
     for r in tl.static_range(PK):
         qr = _pick(q30, q31, q32, q33, r)
         sr, zr = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
-        if K16 == 3:
+        if K16 == 1:
+            qs = qr * sr.to(tl.float32)[:, None, :]
+            if K_BITS == 4 and r % 2 == 1:
+                qs = qs * 0.0625  # against 1024 + 16 * code
+            qs = qs.to(tl.float16)
+            corr += qr * zr.to(tl.float32)[:, None, :] - 1024.0 * qs.to(tl.float32)
+            st += tl.dot(_pick(c0, c1, c2, c3, r), tl.permute(qs, (0, 2, 1)))
+        elif K16 == 3:
             kd = _codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[:, None, :] + zr.to(KDT)[:, None, :]
-            s += tl.dot(qr, tl.permute(kd, (0, 2, 1)))
+            st += tl.dot(kd, tl.permute(qr, (0, 2, 1)))
         else:
             kf = _f32(xk, r, K_BITS) * sr.to(tl.float32)[:, None, :] + zr.to(tl.float32)[:, None, :]
-            s += tl.dot(qr.to(DOT), tl.permute(kf.to(DOT), (0, 2, 1)), input_precision=PREC)
+            st += tl.dot(kf.to(DOT), tl.permute(qr.to(DOT), (0, 2, 1)), input_precision=PREC)
+    s = tl.permute(st, (0, 2, 1))
+    if K16 == 1:
+        s += tl.sum(corr, 2)[:, :, None]
     return s
 
 
