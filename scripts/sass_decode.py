@@ -90,12 +90,12 @@ def main() -> None:
     ap.add_argument("--k16", type=int, default=K.TUNE["k16"])
     ap.add_argument("--v16", type=int, default=int(K.TUNE["v16"]), help="0: fp32 V, 1: fp16, 2: bf16 where exact")
     ap.add_argument("--words", type=int, default=int(K.TUNE["words"]))
-    ap.add_argument("--asm", type=int, default=int(K.TUNE["asm"]))
+    ap.add_argument("--asm", type=int, default=int(K.TUNE["asm"]), help="0: no inline PTX; int4 sub-tiles a PTX block (1, 2, 4)")
     ap.add_argument("--merge", default="kernel", choices=("kernel", "launch"), help="kernel: with the in-kernel merge")
     ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")
     ap.add_argument("--keep", type=Path, help="write the kernel's .ttgir, .ptx and .sass into this folder")
     a = ap.parse_args()
-    a.words, a.asm = bool(a.words), bool(a.asm)
+    a.words = bool(a.words)
     a.warps = a.wp or a.warps
     kernel = compile_decode(a)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -104,11 +104,14 @@ def main() -> None:
     usage = subprocess.run([tools / "cuobjdump", "--dump-resource-usage", cubin], capture_output=True, text=True, check=True).stdout
     sass = subprocess.run([tools / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
+    spill = re.search(r"STACK:(\d+)", usage)
     total = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
-    print(f"registers {regs.group(1) if regs else '?'}, shared memory {kernel.metadata.shared} bytes, {total} instructions")
+    print(f"registers {regs.group(1) if regs else '?'}, stack {spill.group(1) if spill else '?'} bytes, shared memory {kernel.metadata.shared} bytes, {total} instructions")
     for lo, hi, ops in loops(sass):
-        top = ", ".join(f"{op} {n}" for op, n in Counter(ops).most_common(14))
-        print(f"loop {lo:#06x}-{hi:#06x}: {len(ops)} instructions per warp and step: {top}")
+        n = Counter(ops)
+        top = ", ".join(f"{op} {k}" for op, k in n.most_common(14))
+        print(f"loop {lo:#06x}-{hi:#06x}: {len(ops)} instructions per warp and step (spill loads/stores {n['LDL']}/{n['STL']}, "
+              f"barriers {n['BAR']}): {top}")
     if a.keep:
         a.keep.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "ptx"):

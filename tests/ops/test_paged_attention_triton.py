@@ -237,7 +237,7 @@ def test_triton_prefill_with_padding_or_lse_reads_the_pages(monkeypatch):
 
 
 @pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"k16": 2}, {"k16": 3, "pages": 1}, {"k16": 3, "v16": 2}, {"k16": 3, "v16": 2, "pages": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
-                                  {"merge": "launch"}, {"merge": "kernel"}, {"maxnreg": 128}, {"side": 0}],
+                                  {"merge": "launch"}, {"merge": "kernel"}, {"maxnreg": 128}, {"side": 0}, {"asm": 1}, {"asm": 2}],
                          ids=lambda t: "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in t.items()))
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))
 @pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
@@ -268,7 +268,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

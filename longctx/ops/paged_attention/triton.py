@@ -304,18 +304,21 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # not lower its registers). maxnreg (0: none) caps registers: capped at 128, int4 128k ran
 # 0.1094-0.1108 ms against 0.1009-0.1054 uncapped.
 # side: sealed pages of at most 4 bits a side go `side` a loop step, one a warp, each with its
-# own softmax state until the end (`_sealed_side`, `_side`): no barrier a page, where the 2-D
-# loop (num_warps warps on one page) has six. Its rows: the query heads of a KV head padded
-# to side_rows (4; triton pads a dot's M under 16 inside the tensor-core tile itself), side_stages
-# pipeline stages, at most side_programs programs per SM (the compiled kernel's fit decides).
-# H200, graph timing (scripts/diag_speed.py, notes v11), int4 at 128k / 512k / batch 8 at 32k:
-# side 2 0.0885 / 0.2991 / 0.1618 ms against 0.1066 / 0.3689 / 0.1971 for the 2-D loop; side 4
-# 0.0932 / 0.3278 / 0.1725; side 1 0.0867 / 0.3442 / 0.1608; at 128k side 4 with 16 rows 0.1119
-# (3 stages) and 0.1181 (2), with 4 rows and 3 stages 0.1191 (one program per SM: shared
-# memory); capping side 4's registers at 168 or 128 (3 or 4 programs per SM) spilled: 0.1311
-# and 0.2230.
+# own softmax state until the end (`_sealed_side`, `_side`): no cross-warp exchange a page, where
+# the 2-D loop (num_warps warps on one page) synchronizes six times. Its rows: the query heads of
+# a KV head padded to side_rows (4; triton pads a dot's M under 16 inside the tensor-core tile
+# itself), side_stages pipeline stages, at most side_programs programs per SM (the compiled
+# kernel's fit decides). side_k16: K's arithmetic there (1: its per-channel scales folded into
+# the query per page, against fp16 1024 + code; 3: K dequantized in 16 bits; 0: fp32). asm: the
+# int4 sub-tiles one inline-PTX block converts (1, 2 or 4; 0: no inline PTX).
+# H200, graph timing (scripts/diag_speed.py, notes v12), int4 at 128k / 512k / batch 8 at 32k,
+# side_k16 1: side 1 0.0651 / 0.2521 / 0.1168 ms; side 2 0.0776 / 0.2548 / 0.1371, with asm 1
+# 0.0754 / 0.2433 / 0.1334; side 1 with asm 1 0.0658 / 0.2608 / 0.1207, asm 2 0.0652 / 0.2576 /
+# 0.1209; side 2 capped at 168 registers (12 warps an SM, 26 spill reloads a page) 0.0905 /
+# 0.3038 / 0.1598; the 2-D loop 0.1057 / 0.3676 / 0.1959. side_k16 3 (side 2): 0.0844 at 128k
+# against 0.0772. v11's sweep (side_k16 3: rows, stages, register caps) is in the notes.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=True, merge="auto", side=2, side_k16=1, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", side=1, side_k16=1, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -479,6 +482,8 @@ def _setup(q, view: PagedView, start, who: str) -> _Setup:
     KS = pools[3]
     dot = tl.float16 if q.dtype == torch.float16 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32)
     half = dot != tl.float32
+    if TUNE["asm"] not in (0, 1, 2, 4):
+        raise ValueError(f"TUNE['asm'] must be 0 (no inline PTX) or the int4 sub-tiles one block converts (1, 2, 4), got {TUNE['asm']!r}")
     if TUNE["k16"] not in (0, 1, 2, 3) or TUNE["v16"] not in (0, 1, 2):
         raise ValueError(f"TUNE['k16'] must be 0-3 and TUNE['v16'] 0-2 (False/True count as 0/1), got {TUNE['k16']!r}, {TUNE['v16']!r}")
     k16 = TUNE["k16"] if half else 0
@@ -491,7 +496,7 @@ def _setup(q, view: PagedView, start, who: str) -> _Setup:
     gpu = q.is_cuda and not _interpreting()
     consts = dict(H=fmt.num_kv_heads, G=Hq // fmt.num_kv_heads, D=D, P=fmt.block_size, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
                   GS=fmt.group_size, ROTATE=fmt.rotate, HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
-                  K16=k16, V16=half and TUNE["v16"], KDT=kdt, WORDS=words, ASM=TUNE["asm"] and gpu,
+                  K16=k16, V16=half and TUNE["v16"], KDT=kdt, WORDS=words, ASM=int(TUNE["asm"]) if gpu else 0,
                   # sub-tiles per side: codes per load word (int16 words for 8 and 4 bits when WORDS)
                   PK=_per(fmt.k_bits, words), PV=per_v)
     return _Setup(fmt, q, qr, hmat, table, n_blocks, tail_len, total, device, sm, gpu, pools, consts)

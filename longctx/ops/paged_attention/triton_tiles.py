@@ -87,27 +87,44 @@ def _asm16(x, r: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
     return out
 
 
-# ASM4 (GPU): two int16 words of int4 codes per 32-bit register -> all four sub-tiles at once,
-# as fp16 pairs, with one shift: nibbles 0 and 2 (after the shift) OR-ed into fp16 1024 give
-# 1024 + c, nibbles 1 and 3 give 1024 + 16c. "biased" leaves them so (the caller folds 1/16 and
-# the 1024 offset into its other operand); "exact" turns them into c (a subtract, or an FMA
-# by 1/16 and -64).
-def _asm_int4x4(exact: bool) -> str:
-    lo, hi = "lop3.b32 {}, {}, 0x000F000F, 0x64006400, 0xea; ", "lop3.b32 {}, {}, 0x00F000F0, 0x64006400, 0xea; "
-    body = (lo.format("$0", "$4") + hi.format("$1", "$4") + "shr.b32 t, $4, 8; " + lo.format("$2", "t") + hi.format("$3", "t"))
-    if exact:
-        body += ("mov.b32 k, 0x64006400; mov.b32 u, 0x2C002C00; mov.b32 w, 0xD400D400; sub.f16x2 $0, $0, k; "
-                 "fma.rn.f16x2 $1, $1, u, w; sub.f16x2 $2, $2, k; fma.rn.f16x2 $3, $3, u, w; ")
-    return "{ .reg .b32 t, k, u, w; " + body + "}"
+# Nibbles (GPU): two int16 words of int4 codes per 32-bit register -> fp16 pairs of sub-tiles
+# first .. first + n - 1 in one inline-PTX block: nibbles 0 and 2 (the latter after one shift
+# by 8) OR-ed into fp16 1024 give 1024 + c, nibbles 1 and 3 give 1024 + 16c. Biased blocks
+# leave them so (the caller folds 1/16 and the 1024 offset into its other operand); exact ones
+# turn them into c (a subtract, or an FMA by 1/16 and -64). Several sub-tiles a block share the
+# shift; fewer keep fewer converted tiles live at once (registers). NIB[_nib(first, n, exact)].
+def _asm_nibbles(first: int, n: int, exact: bool) -> str:
+    src, body = f"${n}", ""
+    for i, r in enumerate(range(first, first + n)):
+        if r == 2 or (r == 3 and first == 3):
+            body += f"shr.b32 t, {src}, 8; "
+        mask = "0x00F000F0" if r % 2 else "0x000F000F"
+        body += f"lop3.b32 ${i}, {'t' if r >= 2 else src}, {mask}, 0x64006400, 0xea; "
+        if exact:
+            body += f"fma.rn.f16x2 ${i}, ${i}, u, w; " if r % 2 else f"sub.f16x2 ${i}, ${i}, k; "
+    consts = "mov.b32 k, 0x64006400; mov.b32 u, 0x2C002C00; mov.b32 w, 0xD400D400; " if exact else ""
+    return "{ .reg .b32 t, k, u, w; " + consts + body + "}"
 
 
-ASM4_BIASED, ASM4_EXACT = tl.constexpr(_asm_int4x4(False)), tl.constexpr(_asm_int4x4(True))
+def _nib_index(first: int, n: int, exact: bool) -> int:
+    return first + 4 * (n == 2) + 8 * (n == 4) + 9 * exact
+
+
+def _nib_table() -> tuple:
+    table = [""] * 18
+    for exact in (False, True):
+        for first, n in ((0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (2, 2), (0, 4)):
+            table[_nib_index(first, n, exact)] = _asm_nibbles(first, n, exact)
+    return tuple(table)
+
+
+NIB = tl.constexpr(_nib_table())
 
 
 @triton.jit
 def _f16_biased(x, r: tl.constexpr, BITS: tl.constexpr):
     """Sub-tile r as fp16 1024 + code, or 1024 + 16 * code for the odd nibbles of int4 (what
-    ASM4_BIASED gives: the caller divides its other operand by 16 there), exact."""
+    the biased NIB blocks give: the caller divides its other operand by 16 there), exact."""
     c = _code(x, r, BITS).to(tl.int16)
     if BITS == 4 and r % 2 == 1:
         c = c << 4
@@ -115,24 +132,33 @@ def _f16_biased(x, r: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _codes_f16x4(x, BITS: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr):
-    """Sub-tiles 0..3 of code words x as fp16: exact codes, or with BIASED as _f16_biased gives
-    them. int4 in int16 words on the GPU: one inline-PTX block for all four (ASM4_*)."""
+def _codes_f16n(x, first: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr):
+    """Sub-tiles first .. first + n - 1 of code words x as fp16 (a 4-tuple, the rest repeating
+    the first): exact codes, or with BIASED as _f16_biased gives them. n = ASM (1, 2 or 4) for
+    int4 in int16 words on the GPU (one NIB block), else 1."""
     if ASM and BITS == 4 and x.dtype == tl.int16:
-        if BIASED:
-            c0, c1, c2, c3 = tl.inline_asm_elementwise(ASM4_BIASED, "=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+        I: tl.constexpr = first + 4 * (ASM == 2) + 8 * (ASM == 4) + 9 * (not BIASED)  # _nib_index
+        if ASM == 1:
+            c0 = tl.inline_asm_elementwise(NIB[I], "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+            c1 = c0
+            c2 = c0
+            c3 = c0
+        elif ASM == 2:
+            c0, c1 = tl.inline_asm_elementwise(NIB[I], "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+            c2 = c0
+            c3 = c1
         else:
-            c0, c1, c2, c3 = tl.inline_asm_elementwise(ASM4_EXACT, "=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(NIB[I], "=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 4, is_pure=True, pack=2)
     elif BIASED:
-        c0 = _f16_biased(x, 0, BITS)
-        c1 = _f16_biased(x, 1, BITS)
-        c2 = _f16_biased(x, 2, BITS)
-        c3 = _f16_biased(x, 3, BITS)
+        c0 = _f16_biased(x, first, BITS)
+        c1 = c0
+        c2 = c0
+        c3 = c0
     else:
-        c0 = _f16(x, 0, BITS, ASM)
-        c1 = _f16(x, 1, BITS, ASM)
-        c2 = _f16(x, 2, BITS, ASM)
-        c3 = _f16(x, 3, BITS, ASM)
+        c0 = _f16(x, first, BITS, ASM)
+        c1 = c0
+        c2 = c0
+        c3 = c0
     return c0, c1, c2, c3
 
 
@@ -365,12 +391,19 @@ def _values_from_codes(xv, vs, vz, p, V_BITS: tl.constexpr, V16: tl.constexpr, D
     zeros vz (their dtype VT: 16-bit with V16, one FMA per value; else fp32, rounded once into
     DOT), and p in the dtype the dot takes: (pv, v0..v3). Any shape (2-D or 3-D tiles)."""
     VT: tl.constexpr = vs.dtype
-    if V16 and ASM and VT == tl.float16 and V_BITS == 4 and xv.dtype == tl.int16:  # four sub-tiles, one shift
-        c0, c1, c2, c3 = _codes_f16x4(xv, V_BITS, ASM, False)
-        v0 = c0 * vs + vz
-        v1 = c1 * vs + vz
-        v2 = c2 * vs + vz
-        v3 = c3 * vs + vz
+    if V16 and ASM and VT == tl.float16 and V_BITS == 4 and xv.dtype == tl.int16:  # NIB blocks of ASM sub-tiles
+        for r in tl.static_range(4):
+            if r % ASM == 0:
+                c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, False)
+            vr = _pick(c0, c1, c2, c3, r % ASM) * vs + vz
+            if r == 0:
+                v0 = vr
+            elif r == 1:
+                v1 = vr
+            elif r == 2:
+                v2 = vr
+            else:
+                v3 = vr
         pv = p.to(VT)
     elif V16:  # 16-bit codes, exact
         v0 = _codes16(xv, 0, V_BITS, ASM, VT) * vs + vz
@@ -519,9 +552,10 @@ def _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k,
         idx = bh[:, None] * DK + offs_k[None, :]
         ksw = _words16(KS, idx, idx >= 0, PK)
         kzw = _words16(KZ, idx, idx >= 0, PK)
-    if K16 == 1:
-        c0, c1, c2, c3 = _codes_f16x4(xk, K_BITS, ASM, True)
+    N: tl.constexpr = ASM if (ASM and K_BITS == 4 and xk.dtype == tl.int16) else 1  # sub-tiles a NIB block
     for r in tl.static_range(PK):
+        if K16 == 1 and r % N == 0:
+            c0, c1, c2, c3 = _codes_f16n(xk, r, K_BITS, ASM, True)
         qr = _pick(q30, q31, q32, q33, r)
         sr, zr = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
         if K16 == 1:
@@ -530,7 +564,7 @@ def _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k,
                 qs = qs * 0.0625  # against 1024 + 16 * code
             qs = qs.to(tl.float16)
             corr += qr * zr.to(tl.float32)[:, None, :] - 1024.0 * qs.to(tl.float32)
-            st += tl.dot(_pick(c0, c1, c2, c3, r), tl.permute(qs, (0, 2, 1)))
+            st += tl.dot(_pick(c0, c1, c2, c3, r % N), tl.permute(qs, (0, 2, 1)))
         elif K16 == 3:
             kd = _codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[:, None, :] + zr.to(KDT)[:, None, :]
             st += tl.dot(kd, tl.permute(qr, (0, 2, 1)))
