@@ -92,7 +92,7 @@ def _asm16(x, r: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
 # by 8) OR-ed into fp16 1024 give 1024 + c, nibbles 1 and 3 give 1024 + 16c. Biased blocks
 # leave them so (the caller folds 1/16 and the 1024 offset into its other operand); exact ones
 # turn them into c (a subtract, or an FMA by 1/16 and -64). Several sub-tiles a block share the
-# shift; fewer keep fewer converted tiles live at once (registers). NIB[_nib(first, n, exact)].
+# shift; fewer keep fewer converted tiles live at once (registers). NIB[_nib_index(first, n, exact)].
 def _asm_nibbles(first: int, n: int, exact: bool) -> str:
     src, body = f"${n}", ""
     for i, r in enumerate(range(first, first + n)):
@@ -537,8 +537,8 @@ def _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k,
     K16 == 1 folds K's per-channel scales into the fp32 query, (q*s)_r rounded to fp16, and
     dots it with fp16 1024 + code (int4: 1024 + 16 * code for odd nibbles, against q*s/16;
     about one LOP3 a pair of codes), then adds q . z - 1024 * the sum of the rounded q*s the
-    dots saw; 3 dequantizes K in KDT against 16-bit queries; 0 in fp32,
-    rounded once into DOT."""
+    dots saw; 3 dequantizes K in KDT against 16-bit queries; 0 in fp32, rounded once into
+    DOT."""
     W: tl.constexpr = q30.shape[0]
     G_PAD: tl.constexpr = q30.shape[1]
     st = tl.zeros((W, P, G_PAD), tl.float32)
