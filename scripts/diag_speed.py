@@ -54,11 +54,9 @@ def sdpa_ms(B, T):
 # 3-D dots (no cross-warp exchange a page). side_k16: K's arithmetic there (1: scales folded
 # into the query per page against fp16 1024 + code; 3: K dequantized in 16 bits). The sweeps
 # of the first side-by-side session (rows, stages, register caps) are in the notes (v11).
-# asm: int4 sub-tiles one inline-PTX block converts (4: one shift a word pair, but all four
-# converted tiles live at once; 1 and 2 hold fewer). maxnreg 168: 12 warps an SM instead of 8
-# (side loop: 26 spill reloads a page, sm_90 compile with triton 3.6).
-SIDE = [{}, {"asm": 1}, {"asm": 2}, {"side": 1}, {"side": 1, "asm": 1}, {"side": 1, "asm": 2}, {"maxnreg": 168},
-        {"maxnreg": 168, "asm": 1}, {"side": 0}]
+# side_vt: values transposed, their per-token scales folded into the probabilities (notes v12).
+# The sweep of asm, side 1/2 and register caps that chose the defaults is in the notes (v12).
+SIDE = [{}, {"side_vt": True}]
 SWEEP = [
     ("int4 128k", 4, 131072, 1, 64, SIDE),
     ("int4 512k", 4, 524288, 1, 64, SIDE),

@@ -143,20 +143,24 @@ SIDE_CASES = [_long(CASES[1], 1), _long(CASES[3], 2), _long(CASES[4], 2), _long(
               _long(CASES[11], 2)]
 
 
-@pytest.mark.parametrize("side, k16", [(1, 1), (2, 1), (4, 1), (2, 3), (2, 0)], ids=lambda v: str(v))
+@pytest.mark.parametrize("side, k16, vt", [(1, 1, False), (2, 1, False), (4, 1, False), (2, 3, False), (2, 0, False), (1, 1, True),
+                                          (2, 1, True)], ids=lambda v: str(int(v)))
 @pytest.mark.parametrize("case", SIDE_CASES, ids=[case_id(c) for c in SIDE_CASES])
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
-def test_side_by_side_pages_within_budget(case, side, k16, dtype, monkeypatch):
+def test_side_by_side_pages_within_budget(case, side, k16, vt, dtype, monkeypatch):
     """Sealed pages side by side (one a warp, folded into one softmax state at the end), with
-    each of K's arithmetics (scales folded into the query, 16-bit dequantization, fp32): the
-    grid's error budget, with padding, rotation, int2, GQA 3, V groups of 16 and 32, one
-    split and merged splits."""
-    if dtype == torch.float32 and k16 != 1:
-        pytest.skip("fp32 inputs take K in fp32 whatever side_k16 says: the (.., 1) cases run them")
+    each of K's arithmetics (scales folded into the query, 16-bit dequantization, fp32) and
+    both value paths (dequantized, or transposed with their scales folded into the
+    probabilities): the grid's error budget, with padding, rotation, int2, GQA 3, V groups of
+    16 and 32, one split and merged splits."""
+    if dtype == torch.float32 and (k16 != 1 or vt):
+        pytest.skip("fp32 inputs take K and V in fp32 whatever side_k16 and side_vt say: the (.., 1, 0) cases run them")
     monkeypatch.setitem(TUNE, "side", side)
     monkeypatch.setitem(TUNE, "side_k16", k16)
+    monkeypatch.setitem(TUNE, "side_vt", vt)
     test_triton_decode_within_budget(case, dtype)
-    assert K.LAST["side"] == side and K.LAST["k16"] == (k16 if dtype != torch.float32 else 0)
+    half = dtype != torch.float32
+    assert K.LAST["side"] == side and K.LAST["k16"] == (k16 if half else 0) and K.LAST["svt"] == (vt and half)
 
 
 def test_side_rule(monkeypatch):
@@ -268,7 +272,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

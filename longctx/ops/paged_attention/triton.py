@@ -29,7 +29,7 @@ from ...errors import BackendUnavailableError
 from ...quant import hadamard
 from ..pages import PagedView, kernel_pools
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
-from .triton_tiles import NEG_BIG, _fold, _load_queries, _page_scores, _page_values, _side_scores, _side_values
+from .triton_tiles import NEG_BIG, _side_values_folded, _unfold_values, _fold, _load_queries, _page_scores, _page_values, _side_scores, _side_values
 from .triton_tiles import _softmax_step, _step_ids, _zero_state
 
 
@@ -46,7 +46,7 @@ def _decode_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
-    PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0,
+    PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -110,7 +110,7 @@ def _decode_kernel(
         m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _sealed_side(
             KC, KS, KZ, VC, VS, VZ, TABLE + b * stride_tb, h, tl.maximum(lo, n_sink), tl.minimum(hi, n_blocks), start,
             qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
-            H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP)
+            H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP, SVT)
     else:  # PAGES of them per iteration (more loads in flight per program): K scores per
         # page (_page_scores) joined into one [G_PAD, PAGES*P] tile whose token t is page
         # t % PAGES, row t // PAGES; V rows are loaded in that order.
@@ -168,7 +168,7 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
                  H: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr,
                  V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                  K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr, ASM: tl.constexpr, PK: tl.constexpr,
-                 PV: tl.constexpr, WP: tl.constexpr):
+                 PV: tl.constexpr, WP: tl.constexpr, SVT: tl.constexpr):
     """The sealed (quantized) blocks j0 .. j1 - 1 of a row's table (trow), WP pages side by
     side a step (triton_tiles' _side_*): each keeps its own online softmax over the pages it
     sees, and the WP states fold into the program's (m_i, l_i, accumulators) at the end; with
@@ -187,6 +187,11 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
     mw = tl.full((WP, G_PAD), NEG_BIG, tl.float32)
     lw = tl.zeros((WP, G_PAD), tl.float32)
     w0 = tl.zeros((WP, G_PAD, DV), tl.float32)
+    x0 = tl.zeros((WP * NG, GS // PV, G_PAD), tl.float32)  # SVT: per group and sub-tile, transposed
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    z_acc = tl.zeros((WP, NG, G_PAD), tl.float32)
     w1 = w0
     w2 = w0
     w3 = w0
@@ -202,8 +207,17 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
         keep = (page < j1)[:, None] & (page[:, None] * P + offs_p[None, :] >= start)
         s = tl.where(keep[:, None, :], s, float("-inf"))
         mw, lw, p, alpha = _softmax_step(s, mw, lw)
-        pv, v0, v1, v2, v3 = _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
-        w0, w1, w2, w3 = _acc(w0, w1, w2, w3, alpha, pv, v0, v1, v2, v3, PV, PREC)
+        if SVT:
+            x0, x1, x2, x3, z_acc = _side_values_folded(VC, VS, VZ, bh, tl.permute(p, (0, 2, 1)), x0, x1, x2, x3, z_acc, alpha,
+                                                        offs_p, offs_v, P, DV, PV, NG, GS, V_BITS, ASM)
+        else:
+            pv, v0, v1, v2, v3 = _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
+            w0, w1, w2, w3 = _acc(w0, w1, w2, w3, alpha, pv, v0, v1, v2, v3, PV, PREC)
+    if SVT:
+        w0 = _unfold_values(x0, z_acc, NG)
+        w1 = _unfold_values(x1, z_acc, NG)
+        w2 = _unfold_values(x2, z_acc, NG)
+        w3 = _unfold_values(x3, z_acc, NG)
     m_new = tl.maximum(m_i, tl.max(mw, 0))
     c_in = tl.exp2(m_i - m_new)
     c_w = tl.exp2(mw - m_new[None, :])
@@ -317,8 +331,15 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # 0.1209; side 2 capped at 168 registers (12 warps an SM, 26 spill reloads a page) 0.0905 /
 # 0.3038 / 0.1598; the 2-D loop 0.1057 / 0.3676 / 0.1959. side_k16 3 (side 2): 0.0844 at 128k
 # against 0.0772. v11's sweep (side_k16 3: rows, stages, register caps) is in the notes.
+# side_vt (not yet measured on a GPU, so off): the values transposed, Vᵀ as the dot's first
+# operand converted in its own registers (exact codes, no scale FMA), V's per-token scales
+# folded into the fp16 probabilities per group of channels and sum_t p z accumulated apart
+# (`_side_values_folded`). sm_90 compile with triton 3.6 (scripts/sass_decode.py --svt 1), side
+# 1, int4, groups of 64: 1,325 instructions a page and 9 barriers against 1,600 and 10, 16 KiB
+# of shared memory against 25; with groups of 32 (8 rows a group's dot) 2,305, and side 2
+# 1,422 with 25 barriers: it can pay only at side 1 with GS / PV >= 16.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", side=1, side_k16=1, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", side=1, side_k16=1, side_vt=False, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -423,6 +444,8 @@ def _side(fmt, short: bool) -> int:
         raise ValueError(f"TUNE['side'] must be 0, 1, 2, 4 or 8 (pages a step, one a warp), got {TUNE['side']!r}")
     if TUNE["side_k16"] not in (0, 1, 3):
         raise ValueError(f"TUNE['side_k16'] must be 0, 1 or 3, got {TUNE['side_k16']!r}")
+    if TUNE["side_vt"] not in (False, True):
+        raise ValueError(f"TUNE['side_vt'] must be True or False, got {TUNE['side_vt']!r}")
     if not TUNE["side"] or short or max(fmt.k_bits, fmt.v_bits) > 4 or fmt.block_size > 64:
         return 0
     return TUNE["side"]
@@ -545,7 +568,9 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         opts["maxnreg"] = TUNE["maxnreg"]  # programs_per_sm programs must fit the register file
     pages_per_step = side or _pages_per_step(fmt)
     rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(G))  # (triton pads a dot's M < 16 itself)
-    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side,
+    # values transposed, their scales folded into the fp16 probabilities (16-bit inputs only)
+    svt = bool(side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32)
+    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt,
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -576,7 +601,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
                 n_blocks, min(view.n_sink, n_blocks), tail_len, bps, scale, splits)
         if warmup:
             return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, **consts)
-        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16)
+        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt)
         return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:

@@ -594,6 +594,57 @@ def _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P: tl.constexpr, DV: tl.cons
 
 
 @triton.jit
+def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, alpha, offs_p, offs_v, P: tl.constexpr, DV: tl.constexpr,
+                        PV: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, ASM: tl.constexpr):
+    """Side by side, values transposed with their per-token scales folded into the
+    probabilities: for each group g of V's channels, codes_gᵀ [GS/PV, P] (exact fp16 codes, the
+    dot's first operand: converted in its registers) @ (p * s_g) [P, rows], the NG groups along
+    the batch dimension of the accumulators x_r [W * NG, GS/PV, rows]; sum_t p z_g goes to
+    z_acc [W, NG, rows]. All are rescaled by alpha [W, rows] first."""
+    W: tl.constexpr = bh.shape[0]
+    R: tl.constexpr = pt.shape[2]
+    DG: tl.constexpr = GS // PV  # a group's columns of a sub-tile
+    row = bh[:, None] * P + offs_p[None, :]  # [W, P]
+    # code words [W * NG, DG, P]: batch entry b is page b // NG's group b % NG (loaded in this
+    # shape: a reshape of the loaded tile would keep its conversion out of the dot's registers)
+    offs_b = tl.arange(0, W * NG)
+    bh_b = tl.reshape(tl.broadcast_to(bh[:, None], (W, NG)), (W * NG,))
+    xv = tl.load(VC + (bh_b[:, None, None] * P + offs_p[None, None, :]) * DV + (offs_b % NG)[:, None, None] * DG
+                 + tl.arange(0, DG)[None, :, None])
+    ok = row >= 0
+    sg = _token_groups(VS, row, ok, NG).to(tl.float32)  # [W, P, NG]
+    zg = _token_groups(VZ, row, ok, NG).to(tl.float32)
+    pg = tl.permute(pt[:, :, :, None] * sg[:, :, None, :], (0, 3, 1, 2))  # [W, NG, P, rows]
+    pg = tl.reshape(pg.to(tl.float16), (W * NG, P, R))
+    z_acc = z_acc * alpha[:, None, :] + tl.sum(pt[:, :, None, :] * zg[:, :, :, None], 1)
+    c = tl.reshape(tl.broadcast_to(alpha[:, None, None, :], (W, NG, 1, R)), (W * NG, 1, R))
+    N: tl.constexpr = ASM if (ASM and V_BITS == 4 and xv.dtype == tl.int16) else 1  # sub-tiles a NIB block
+    for r in tl.static_range(PV):
+        if r % N == 0:
+            c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, False)
+        cr = _pick(c0, c1, c2, c3, r % N)
+        if r == 0:
+            x0 = x0 * c + tl.dot(cr, pg)
+        elif r == 1:
+            x1 = x1 * c + tl.dot(cr, pg)
+        elif r == 2:
+            x2 = x2 * c + tl.dot(cr, pg)
+        else:
+            x3 = x3 * c + tl.dot(cr, pg)
+    return x0, x1, x2, x3, z_acc
+
+
+@triton.jit
+def _unfold_values(x, z_acc, NG: tl.constexpr):
+    """[W, rows, DV] from _side_values_folded's x_r [W * NG, GS/PV, rows] and z_acc [W, NG, rows]."""
+    W: tl.constexpr = z_acc.shape[0]
+    R: tl.constexpr = z_acc.shape[2]
+    DG: tl.constexpr = x.shape[1]
+    y = tl.reshape(x, (W, NG, DG, R)) + z_acc[:, :, None, :]
+    return tl.permute(tl.reshape(y, (W, NG * DG, R)), (0, 2, 1))
+
+
+@triton.jit
 def _fold(x, c):
     """sum over the side-by-side pages of x [W, G_PAD, DV], each scaled by c [W, G_PAD]."""
     return tl.sum(x * c[:, :, None], 0)
