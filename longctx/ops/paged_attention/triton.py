@@ -331,15 +331,17 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # 0.1209; side 2 capped at 168 registers (12 warps an SM, 26 spill reloads a page) 0.0905 /
 # 0.3038 / 0.1598; the 2-D loop 0.1057 / 0.3676 / 0.1959. side_k16 3 (side 2): 0.0844 at 128k
 # against 0.0772. v11's sweep (side_k16 3: rows, stages, register caps) is in the notes.
-# side_vt (not yet measured on a GPU, so off): the values transposed, Vᵀ as the dot's first
-# operand converted in its own registers (exact codes, no scale FMA), V's per-token scales
-# folded into the fp16 probabilities per group of channels and sum_t p z accumulated apart
-# (`_side_values_folded`). sm_90 compile with triton 3.6 (scripts/sass_decode.py --svt 1), side
-# 1, int4, groups of 64: 1,325 instructions a page and 9 barriers against 1,600 and 10, 16 KiB
-# of shared memory against 25; with groups of 32 (8 rows a group's dot) 2,305, and side 2
-# 1,422 with 25 barriers: it can pay only at side 1 with GS / PV >= 16.
+# side_vt: the values transposed, Vᵀ as the dot's first operand converted in its own registers
+# (exact codes, no scale FMA, no shared-memory round trip of the dequantized tile), V's
+# per-token scales folded into the fp16 probabilities per group of channels and sum_t p z
+# accumulated apart (`_side_values_folded`; 16-bit inputs). H200, side 1, graph timing, int4
+# 128k / 512k / B8 32k: 0.0559 / 0.2275 / 0.1054 ms against 0.0652 / 0.2553 / 0.1172 without
+# (2.25x / 2.07x / 2.28x SDPA in that run). sm_90 compile with triton 3.6 (scripts/sass_decode.py
+# --svt 1), side 1, groups of 64: 1,325 instructions a page and 9 barriers against 1,600 and 10;
+# with groups of 32 (8 rows a group's dot) 2,305, and side 2 1,422 with 25 barriers (neither
+# measured on the GPU).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", side=1, side_k16=1, side_vt=False, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", side=1, side_k16=1, side_vt=True, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
