@@ -209,7 +209,7 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
         mw, lw, p, alpha = _softmax_step(s, mw, lw)
         if SVT:
             x0, x1, x2, x3, z_acc = _side_values_folded(VC, VS, VZ, bh, tl.permute(p, (0, 2, 1)), x0, x1, x2, x3, z_acc, alpha,
-                                                        offs_p, offs_v, P, DV, PV, NG, GS, V_BITS, ASM)
+                                                        offs_p, P, DV, PV, NG, GS, V_BITS, ASM)
         else:
             pv, v0, v1, v2, v3 = _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
             w0, w1, w2, w3 = _acc(w0, w1, w2, w3, alpha, pv, v0, v1, v2, v3, PV, PREC)

@@ -594,7 +594,7 @@ def _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P: tl.constexpr, DV: tl.cons
 
 
 @triton.jit
-def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, alpha, offs_p, offs_v, P: tl.constexpr, DV: tl.constexpr,
+def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, alpha, offs_p, P: tl.constexpr, DV: tl.constexpr,
                         PV: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, ASM: tl.constexpr):
     """Side by side, values transposed with their per-token scales folded into the
     probabilities: for each group g of V's channels, codes_gᵀ [GS/PV, P] (exact fp16 codes, the
