@@ -12,7 +12,8 @@ Usage (repo root):
   python3 scripts/sass_decode.py --bits 8 --pages 1 --warps 8
   python3 scripts/sass_decode.py --keep /tmp/sass          # also write .ttgir/.ptx/.sass there
   python3 scripts/sass_decode.py --prefill 64 --stages 2   # the prefill kernel, 64 query rows a program
-  python3 scripts/sass_decode.py --wp 2 --g-pad 4 --stages 2 --merge launch   # TUNE's side-by-side loop
+  python3 scripts/sass_decode.py --wp 1 --g-pad 4 --stages 2 --merge launch --k16 1 --svt 1 --group-size 64
+      # TUNE's side-by-side loop at the bench's shape (run it with the GPU's triton, 3.6, to match its compiler)
 """
 
 import argparse
