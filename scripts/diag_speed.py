@@ -56,7 +56,10 @@ def sdpa_ms(B, T):
 # of the first side-by-side session (rows, stages, register caps) are in the notes (v11).
 # side_vt: values transposed, their per-token scales folded into the probabilities (notes v12).
 # The sweep of asm, side 1/2 and register caps that chose the defaults is in the notes (v12).
-SIDE = [{}, {"side_vt": False}]
+# Not yet measured: with side_vt the sm_90 compile (triton 3.6) keeps the side loop free of
+# spills at 168 registers (12 warps an SM instead of 8; the sink/tail loop spills instead), and
+# reloads 24 values a page at 128 (16 warps).
+SIDE = [{}, {"maxnreg": 168}, {"maxnreg": 128}, {"side_vt": False}]
 SWEEP = [
     ("int4 128k", 4, 131072, 1, 64, SIDE),
     ("int4 512k", 4, 524288, 1, 64, SIDE),
