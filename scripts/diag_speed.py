@@ -56,14 +56,21 @@ def sdpa_ms(B, T):
 # of the first side-by-side session (rows, stages, register caps) are in the notes (v11).
 # side_vt: values transposed, their per-token scales folded into the probabilities (notes v12).
 # The sweep of asm, side 1/2 and register caps that chose the defaults is in the notes (v12).
-# Not yet measured: with side_vt the sm_90 compile (triton 3.6) keeps the side loop free of
-# spills at 168 registers (12 warps an SM instead of 8; the sink/tail loop spills instead), and
-# reloads 24 values a page at 128 (16 warps).
-SIDE = [{}, {"maxnreg": 168}, {"maxnreg": 128}, {"side_vt": False}]
+# side_bits 8: int8 pages side by side too, their codes converted by PRMT blocks (K biased by
+# 1024 against q*s, V exact): sm_90 (triton 3.6, groups of 64) 1,531 instructions a page
+# against the 2-D loop's 4 x 783. With side_vt the side loop compiles free of spills at 168
+# registers for int4 (12 warps an SM instead of 8; the sink/tail loop spills instead).
+# side_short: short contexts (a page or two a program) side by side too, side pages a split.
+I8 = {"side_bits": 8}
 SWEEP = [
-    ("int4 128k", 4, 131072, 1, 64, SIDE),
-    ("int4 512k", 4, 524288, 1, 64, SIDE),
-    ("int4 32k B8", 4, 32768, 8, 64, SIDE),
+    ("int4 128k", 4, 131072, 1, 64, [{}, {"maxnreg": 168}, {"maxnreg": 128}]),
+    ("int4 512k", 4, 524288, 1, 64, [{}, {"maxnreg": 168}]),
+    ("int4 32k B8", 4, 32768, 8, 64, [{}, {"maxnreg": 168}]),
+    ("int8 128k", 8, 131072, 1, 64, [{}, I8, dict(I8, side_vt=False), dict(I8, maxnreg=168), dict(I8, side_stages=3)]),
+    ("int8 512k", 8, 524288, 1, 64, [I8]),
+    ("int8 32k B8", 8, 32768, 8, 64, [{}, I8]),
+    ("int4 4k", 4, 4096, 1, 64, [{}, {"side_short": True}, {"side_short": True, "side": 2}, {"side_short": True, "side": 4},
+                                 {"side_short": True, "side": 4, "merge": "kernel"}]),
 ]
 
 

@@ -163,6 +163,37 @@ def test_side_by_side_pages_within_budget(case, side, k16, vt, dtype, monkeypatc
     assert K.LAST["side"] == side and K.LAST["k16"] == (k16 if half else 0) and K.LAST["svt"] == (vt and half)
 
 
+# int8 pages (and mixed int8 K, int4 V), which go side by side with TUNE["side_bits"] 8
+SIDE8_CASES = [_long(CASES[2], 1), _long(CASES[6], 2), _long(CASES[9], 2)]
+
+
+@pytest.mark.parametrize("vt", [False, True], ids=lambda v: f"vt{int(v)}")
+@pytest.mark.parametrize("case", SIDE8_CASES, ids=[case_id(c) for c in SIDE8_CASES])
+@pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
+def test_side_by_side_int8_pages_within_budget(case, vt, dtype, monkeypatch):
+    """int8 pages side by side (TUNE["side_bits"] 8; on the GPU through the byte blocks of
+    inline PTX, K's codes biased by 1024 against q*s, V's exact), both value paths."""
+    if dtype == torch.float32 and vt:
+        pytest.skip("fp32 inputs take V in fp32 whatever side_vt says: the vt0 case runs them")
+    monkeypatch.setitem(TUNE, "side_bits", 8)
+    monkeypatch.setitem(TUNE, "side_vt", vt)
+    test_triton_decode_within_budget(case, dtype)
+    half = dtype != torch.float32
+    assert K.LAST["side"] == TUNE["side"] and K.LAST["k16"] == (TUNE["side_k16"] if half else 0) and K.LAST["svt"] == (vt and half)
+
+
+@pytest.mark.parametrize("side", [1, 4])
+@pytest.mark.parametrize("case", [_long(CASES[1], 4), _long(CASES[3], 16)], ids=lambda c: case_id(c))
+@pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
+def test_side_by_side_short_programs_within_budget(case, side, dtype, monkeypatch):
+    """TUNE["side_short"]: programs of a page or two (short contexts) side by side too, with
+    more warps than pages (side 4) masking the missing ones."""
+    monkeypatch.setitem(TUNE, "side", side)
+    monkeypatch.setitem(TUNE, "side_short", True)
+    test_triton_decode_within_budget(case, dtype)
+    assert K.LAST["side"] == side
+
+
 def test_side_rule(monkeypatch):
     from longctx.ops.paged_attention.triton import _side
     from longctx.quant import BlockFormat
@@ -171,12 +202,20 @@ def test_side_rule(monkeypatch):
         cfg = KVConfig(bits=bits, k_bits=k_bits, block_size=block)
         return BlockFormat(*cfg.layer_bits(0), block, cfg.group_size, 128, 8, torch.bfloat16, cfg.rotate)
 
+    monkeypatch.setitem(TUNE, "side_bits", 4)
+    monkeypatch.setitem(TUNE, "side_short", False)
     assert _side(fmt(4), short=False) == TUNE["side"]
     assert _side(fmt(4), short=True) == 0  # one or two pages a program: the 2-D loop
     assert _side(fmt(8), short=False) == 0
     assert _side(fmt(4, k_bits=8), short=False) == 0
     assert _side(fmt(2, block=16), short=False) == TUNE["side"]
     assert _side(fmt(4, block=128), short=False) == 0
+    monkeypatch.setitem(TUNE, "side_short", True)
+    assert _side(fmt(4), short=True) == TUNE["side"]
+    monkeypatch.setitem(TUNE, "side_bits", 8)
+    assert _side(fmt(8), short=False) == _side(fmt(4, k_bits=8), short=False) == TUNE["side"]
+    assert _side(fmt(16), short=False) == _side(fmt(4, k_bits=16), short=False) == 0
+    assert _side(fmt(8, block=128), short=False) == 0
     monkeypatch.setitem(TUNE, "side", 0)
     assert _side(fmt(4), short=False) == 0
 
@@ -272,7 +311,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": "yes"}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

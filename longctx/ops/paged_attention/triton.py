@@ -341,7 +341,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # with groups of 32 (8 rows a group's dot) 2,305, and side 2 1,422 with 25 barriers (neither
 # measured on the GPU).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", side=1, side_k16=1, side_vt=True, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", side=1, side_bits=4, side_short=False, side_k16=1, side_vt=True, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -439,16 +439,22 @@ def _pages_per_step(fmt) -> int:
 
 def _side(fmt, short: bool) -> int:
     """Sealed pages a loop step side by side, one a warp (TUNE["side"]; 0: the 2-D loop): for
-    pages of at most 64 tokens and 4 bits on both sides, where a program gets more than two
-    pages. Where it measured slower (H200, notes v11): int8 pages (0.1351 against 0.1218 ms at
-    128k) and short contexts (int4 8k 0.0206 against 0.0198). Larger pages were not measured."""
+    pages of at most 64 tokens and TUNE["side_bits"] bits on both sides, where a program gets
+    more than two pages (any number with TUNE["side_short"]). Where it measured slower (H200,
+    notes v11, before K's scales were folded into the query and V's into the probabilities):
+    int8 pages (0.1351 against 0.1218 ms at 128k) and short contexts (int4 8k 0.0206 against
+    0.0198). Larger pages were not measured."""
     if TUNE["side"] not in (0, 1, 2, 4, 8):
         raise ValueError(f"TUNE['side'] must be 0, 1, 2, 4 or 8 (pages a step, one a warp), got {TUNE['side']!r}")
     if TUNE["side_k16"] not in (0, 1, 3):
         raise ValueError(f"TUNE['side_k16'] must be 0, 1 or 3, got {TUNE['side_k16']!r}")
     if TUNE["side_vt"] not in (False, True):
         raise ValueError(f"TUNE['side_vt'] must be True or False, got {TUNE['side_vt']!r}")
-    if not TUNE["side"] or short or max(fmt.k_bits, fmt.v_bits) > 4 or fmt.block_size > 64:
+    if TUNE["side_bits"] not in (4, 8):
+        raise ValueError(f"TUNE['side_bits'] must be 4 or 8 (the most bits a side of pages going side by side), got {TUNE['side_bits']!r}")
+    if TUNE["side_short"] not in (False, True):
+        raise ValueError(f"TUNE['side_short'] must be True or False, got {TUNE['side_short']!r}")
+    if not TUNE["side"] or (short and not TUNE["side_short"]) or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or fmt.block_size > 64:
         return 0
     return TUNE["side"]
 

@@ -121,6 +121,18 @@ def _nib_table() -> tuple:
 NIB = tl.constexpr(_nib_table())
 
 
+# Bytes (GPU): two int16 words of int8 codes per 32-bit register -> the fp16 pairs of both
+# sub-tiles in one inline-PTX block: a PRMT puts byte r of each word next to a 0x64 byte
+# (fp16 1024 + c); exact blocks then subtract 1024 (one f16x2 subtract a pair).
+def _asm_bytes(exact: bool) -> str:
+    sub = "mov.b32 m, 0x64006400; sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; " if exact else ""
+    return "{ .reg .b32 k, m; mov.b32 k, 0x64646464; prmt.b32 $0, $2, k, 0x4240; prmt.b32 $1, $2, k, 0x4341; " + sub + "}"
+
+
+BYTES_BIASED = tl.constexpr(_asm_bytes(False))
+BYTES_EXACT = tl.constexpr(_asm_bytes(True))
+
+
 @triton.jit
 def _f16_biased(x, r: tl.constexpr, BITS: tl.constexpr):
     """Sub-tile r as fp16 1024 + code, or 1024 + 16 * code for the odd nibbles of int4 (what
@@ -134,9 +146,17 @@ def _f16_biased(x, r: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def _codes_f16n(x, first: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr):
     """Sub-tiles first .. first + n - 1 of code words x as fp16 (a 4-tuple, the rest repeating
-    the first): exact codes, or with BIASED as _f16_biased gives them. n = ASM (1, 2 or 4) for
-    int4 in int16 words on the GPU (one NIB block), else 1."""
-    if ASM and BITS == 4 and x.dtype == tl.int16:
+    the first): exact codes, or with BIASED as _f16_biased gives them. n (_codes_per_block) is
+    ASM (1, 2 or 4) for int4 in int16 words on the GPU (one NIB block), 2 for int8 there (one
+    byte block: first is 0), else 1."""
+    if ASM and BITS == 8 and x.dtype == tl.int16:
+        if BIASED:
+            c0, c1 = tl.inline_asm_elementwise(BYTES_BIASED, "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        else:
+            c0, c1 = tl.inline_asm_elementwise(BYTES_EXACT, "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        c2 = c0
+        c3 = c1
+    elif ASM and BITS == 4 and x.dtype == tl.int16:
         I: tl.constexpr = first + 4 * (ASM == 2) + 8 * (ASM == 4) + 9 * (not BIASED)  # _nib_index
         if ASM == 1:
             c0 = tl.inline_asm_elementwise(NIB[I], "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
@@ -160,6 +180,15 @@ def _codes_f16n(x, first: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, B
         c2 = c0
         c3 = c0
     return c0, c1, c2, c3
+
+
+@triton.constexpr_function
+def _codes_per_block(bits, asm, dtype):
+    """Sub-tiles one _codes_f16n call converts: an inline-PTX block's on int16 words on the GPU
+    (int4: asm of them; int8: both), else 1."""
+    if not asm or dtype != tl.int16:
+        return 1
+    return asm if bits == 4 else 2 if bits == 8 else 1
 
 
 @triton.jit
@@ -552,7 +581,7 @@ def _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k,
         idx = bh[:, None] * DK + offs_k[None, :]
         ksw = _words16(KS, idx, idx >= 0, PK)
         kzw = _words16(KZ, idx, idx >= 0, PK)
-    N: tl.constexpr = ASM if (ASM and K_BITS == 4 and xk.dtype == tl.int16) else 1  # sub-tiles a NIB block
+    N: tl.constexpr = _codes_per_block(K_BITS, ASM, xk.dtype)
     for r in tl.static_range(PK):
         if K16 == 1 and r % N == 0:
             c0, c1, c2, c3 = _codes_f16n(xk, r, K_BITS, ASM, True)
@@ -618,7 +647,7 @@ def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, alpha, offs_p
     pg = tl.reshape(pg.to(tl.float16), (W * NG, P, R))
     z_acc = z_acc * alpha[:, None, :] + tl.sum(pt[:, :, None, :] * zg[:, :, :, None], 1)
     c = tl.reshape(tl.broadcast_to(alpha[:, None, None, :], (W, NG, 1, R)), (W * NG, 1, R))
-    N: tl.constexpr = ASM if (ASM and V_BITS == 4 and xv.dtype == tl.int16) else 1  # sub-tiles a NIB block
+    N: tl.constexpr = _codes_per_block(V_BITS, ASM, xv.dtype)
     for r in tl.static_range(PV):
         if r % N == 0:
             c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, False)
