@@ -143,43 +143,47 @@ SIDE_CASES = [_long(CASES[1], 1), _long(CASES[3], 2), _long(CASES[4], 2), _long(
               _long(CASES[11], 2)]
 
 
-@pytest.mark.parametrize("side, k16, vt", [(1, 1, False), (2, 1, False), (4, 1, False), (2, 3, False), (2, 0, False), (1, 1, True),
-                                          (2, 1, True)], ids=lambda v: str(int(v)))
+@pytest.mark.parametrize("side, k16, vt", [(1, 1, 0), (2, 1, 0), (4, 1, 0), (2, 3, 0), (2, 0, 0), (1, 1, 1), (2, 1, 1), (1, 1, 2)],
+                         ids=lambda v: str(v))
 @pytest.mark.parametrize("case", SIDE_CASES, ids=[case_id(c) for c in SIDE_CASES])
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
 def test_side_by_side_pages_within_budget(case, side, k16, vt, dtype, monkeypatch):
     """Sealed pages side by side (one a warp, folded into one softmax state at the end), with
     each of K's arithmetics (scales folded into the query, 16-bit dequantization, fp32) and
     both value paths (dequantized, or transposed with their scales folded into the
-    probabilities): the grid's error budget, with padding, rotation, int2, GQA 3, V groups of
-    16 and 32, one split and merged splits."""
+    probabilities, vt 1; with their codes biased by 1024 as K's, vt 2): the grid's error
+    budget, with padding, rotation, int2, GQA 3, V groups of 16 and 32, one split and merged
+    splits."""
     if dtype == torch.float32 and (k16 != 1 or vt):
         pytest.skip("fp32 inputs take K and V in fp32 whatever side_k16 and side_vt say: the (.., 1, 0) cases run them")
     monkeypatch.setitem(TUNE, "side", side)
     monkeypatch.setitem(TUNE, "side_k16", k16)
-    monkeypatch.setitem(TUNE, "side_vt", vt)
+    monkeypatch.setitem(TUNE, "side_vt", vt > 0)
+    monkeypatch.setitem(TUNE, "side_vbias", vt == 2)
     test_triton_decode_within_budget(case, dtype)
     half = dtype != torch.float32
-    assert K.LAST["side"] == side and K.LAST["k16"] == (k16 if half else 0) and K.LAST["svt"] == (vt and half)
+    assert K.LAST["side"] == side and K.LAST["k16"] == (k16 if half else 0) and K.LAST["svt"] == (vt if half else 0)
 
 
 # int8 pages (and mixed int8 K, int4 V), which go side by side with TUNE["side_bits"] 8
 SIDE8_CASES = [_long(CASES[2], 1), _long(CASES[6], 2), _long(CASES[9], 2)]
 
 
-@pytest.mark.parametrize("vt", [False, True], ids=lambda v: f"vt{int(v)}")
+@pytest.mark.parametrize("vt", [0, 1, 2], ids=lambda v: f"vt{v}")
 @pytest.mark.parametrize("case", SIDE8_CASES, ids=[case_id(c) for c in SIDE8_CASES])
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
 def test_side_by_side_int8_pages_within_budget(case, vt, dtype, monkeypatch):
     """int8 pages side by side (TUNE["side_bits"] 8; on the GPU through the byte blocks of
-    inline PTX, K's codes biased by 1024 against q*s, V's exact), both value paths."""
+    inline PTX, K's codes biased by 1024 against q*s), each value path (dequantized; transposed
+    with exact codes; transposed with codes biased by 1024)."""
     if dtype == torch.float32 and vt:
         pytest.skip("fp32 inputs take V in fp32 whatever side_vt says: the vt0 case runs them")
     monkeypatch.setitem(TUNE, "side_bits", 8)
-    monkeypatch.setitem(TUNE, "side_vt", vt)
+    monkeypatch.setitem(TUNE, "side_vt", vt > 0)
+    monkeypatch.setitem(TUNE, "side_vbias", vt == 2)
     test_triton_decode_within_budget(case, dtype)
     half = dtype != torch.float32
-    assert K.LAST["side"] == TUNE["side"] and K.LAST["k16"] == (TUNE["side_k16"] if half else 0) and K.LAST["svt"] == (vt and half)
+    assert K.LAST["side"] == TUNE["side"] and K.LAST["k16"] == (TUNE["side_k16"] if half else 0) and K.LAST["svt"] == (vt if half else 0)
 
 
 @pytest.mark.parametrize("side", [1, 4])
@@ -311,7 +315,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": "yes"}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": "yes"}, {"side_vbias": None}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

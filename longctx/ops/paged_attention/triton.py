@@ -46,7 +46,7 @@ def _decode_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
-    PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False,
+    PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = 0,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -76,34 +76,10 @@ def _decode_kernel(
     lo = split * blocks_per_split
     hi = tl.minimum(lo + blocks_per_split, total)
 
-    m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _zero_state(G_PAD, DV)
-
     # 1. + 3. unquantized, unrotated blocks: sink pages, then the tail after the table
-    for j in range(lo, hi):
-        is_sink = j < n_sink
-        is_tail = j >= n_blocks
-        if is_sink or is_tail:
-            t = (j - n_blocks) * P + offs_p
-            if is_sink:
-                blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
-                kbase = SINK_K + (blk * H + h) * P * D
-                vbase = SINK_V + (blk * H + h) * P * D
-                sp = D
-                valid = offs_p >= 0
-                pos = j * P + offs_p
-            else:
-                kbase = TAIL_K + b * s_tk_b + h * s_tk_h + (j - n_blocks) * P * s_tk_p
-                vbase = TAIL_V + b * s_tk_b + h * s_tk_h + (j - n_blocks) * P * s_tk_p
-                sp = s_tk_p
-                valid = t < tail_len
-                pos = n_blocks * P + t
-            s = _dense_scores(kbase, sp, valid, q, offs_p, offs_d, DOT, PREC)
-            s = tl.where((valid & (pos >= start))[None, :], s, float("-inf"))
-            m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
-            v0, v1, v2, v3 = _dense_values(vbase, sp, valid, offs_p, offs_v, PV, DOT)
-            a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, p.to(DOT), v0, v1, v2, v3, PV, PREC)
-            if ROTATE:
-                r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, p, None, None, None, None, PV, PREC)
+    m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _unquantized(
+        TABLE + b * stride_tb, SINK_K, SINK_V, TAIL_K + b * s_tk_b + h * s_tk_h, TAIL_V + b * s_tk_b + h * s_tk_h, s_tk_p,
+        h, lo, hi, n_blocks, n_sink, tail_len, start, q, offs_d, offs_v, H, G_PAD, D, P, DV, PV, DOT, PREC, WP > 0)
 
     # 2. sealed pages: WP side by side a step (a warp each), or PAGES a step across the warps
     if WP > 0:
@@ -163,6 +139,105 @@ def _decode_kernel(
 
 
 @triton.jit
+def _unquantized(trow, SINK_K, SINK_V, tail_k, tail_v, s_tk_p, h, lo, hi, n_blocks, n_sink, tail_len, start, q, offs_d, offs_v,
+                 H: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr,
+                 DOT: tl.constexpr, PREC: tl.constexpr, TRANS: tl.constexpr):
+    """The online-softmax state (m_i, l_i, a0..a3, r0..r3) of a split's unquantized blocks
+    lo .. hi - 1, the first it sees: the sink pages (of the row's table trow) and the tail
+    (tail_k/tail_v: this row and head's; token stride s_tk_p). The rotated accumulators r0..r3
+    stay zero (no rotated page has been seen yet). With TRANS (side by side: one warp a
+    program) 16 tokens a step, transposed (_dense_block_t); else a block a step across the
+    warps (_dense_block)."""
+    m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _zero_state(G_PAD, DV)
+    if TRANS:
+        DT: tl.constexpr = 16
+        R: tl.constexpr = P // DT  # steps a page
+        offs_u = tl.arange(0, DT)
+        qt = tl.permute(q.to(DOT), (1, 0))
+        e0 = tl.zeros((DV, G_PAD), tl.float32)
+        e1 = e0
+        e2 = e0
+        e3 = e0
+        for u in range(lo * R, tl.minimum(hi, n_sink) * R):
+            blk = tl.load(trow + u // R).to(tl.int64)
+            off = (blk * H + h) * P * D + (u % R) * DT * D
+            m_i, l_i, e0, e1, e2, e3 = _dense_block_t(SINK_K + off, SINK_V + off, D, offs_u >= 0, u * DT + offs_u, start, qt,
+                                                      m_i, l_i, e0, e1, e2, e3, offs_u, offs_d, DV, PV, DOT, PREC)
+        for t0 in range((tl.maximum(lo, n_blocks) - n_blocks) * P, tl.minimum(tail_len, (hi - n_blocks) * P), DT):
+            t = t0 + offs_u
+            m_i, l_i, e0, e1, e2, e3 = _dense_block_t(tail_k + t0 * s_tk_p, tail_v + t0 * s_tk_p, s_tk_p, t < tail_len, n_blocks * P + t,
+                                                      start, qt, m_i, l_i, e0, e1, e2, e3, offs_u, offs_d, DV, PV, DOT, PREC)
+        a0 = tl.permute(e0, (1, 0))
+        a1 = tl.permute(e1, (1, 0))
+        a2 = tl.permute(e2, (1, 0))
+        a3 = tl.permute(e3, (1, 0))
+    else:
+        offs_p = tl.arange(0, P)
+        for j in range(lo, hi):
+            is_sink = j < n_sink
+            is_tail = j >= n_blocks
+            if is_sink or is_tail:
+                t = (j - n_blocks) * P + offs_p
+                if is_sink:
+                    blk = tl.load(trow + j).to(tl.int64)
+                    kbase = SINK_K + (blk * H + h) * P * D
+                    vbase = SINK_V + (blk * H + h) * P * D
+                    sp = D
+                    valid = offs_p >= 0
+                    pos = j * P + offs_p
+                else:
+                    kbase = tail_k + (j - n_blocks) * P * s_tk_p
+                    vbase = tail_v + (j - n_blocks) * P * s_tk_p
+                    sp = s_tk_p
+                    valid = t < tail_len
+                    pos = n_blocks * P + t
+                s = _dense_scores(kbase, sp, valid, q, offs_p, offs_d, DOT, PREC)
+                s = tl.where((valid & (pos >= start))[None, :], s, float("-inf"))
+                m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+                v0, v1, v2, v3 = _dense_values(vbase, sp, valid, offs_p, offs_v, PV, DOT)
+                a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, p.to(DOT), v0, v1, v2, v3, PV, PREC)
+    return m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3
+
+
+@triton.jit
+def _dense_block_t(kbase, vbase, sp, valid, pos, start, qt, m_i, l_i, e0, e1, e2, e3, offs_u, offs_d,
+                   DV: tl.constexpr, PV: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """One online-softmax step over the tokens offs_u of an unquantized block (token stride
+    sp; valid: present, pos: their positions), transposed: scores K·qᵀ [DT, rows] (qt
+    [D, rows]) and accumulators e_r [DV, rows] += V_rᵀ @ pᵀ (the few rows pad to 8 columns of
+    the tensor-core tile, not 16 rows). K and V load whole rows (vector loads) and V splits
+    into its PV sub-tiles in registers: strided or masked scalar loads, each with its own
+    address registers, had taken ~250 registers a thread, and the kernel's count is its
+    hungriest loop's."""
+    DT: tl.constexpr = offs_u.shape[0]
+    k = tl.load(kbase + offs_u[:, None] * sp + offs_d[None, :], mask=valid[:, None], other=0.0)
+    st = tl.dot(k.to(DOT), qt, input_precision=PREC)
+    st = tl.where((valid & (pos >= start))[:, None], st, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, 0))
+    alpha = tl.exp2(m_i - m_new)
+    pt = tl.exp2(st - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(pt, 0)
+    pd = pt.to(DOT)
+    v = tl.load(vbase + offs_u[:, None] * sp + offs_d[None, :], mask=valid[:, None], other=0.0).to(DOT)
+    c = alpha[None, :]
+    if PV == 1:
+        e0 = e0 * c + tl.dot(tl.permute(v, (1, 0)), pd, input_precision=PREC)
+    elif PV == 2:
+        v0, v1 = tl.split(tl.reshape(v, (DT, DV, 2)))  # channel 2i + r
+        e0 = e0 * c + tl.dot(tl.permute(v0, (1, 0)), pd, input_precision=PREC)
+        e1 = e1 * c + tl.dot(tl.permute(v1, (1, 0)), pd, input_precision=PREC)
+    else:
+        v02, v13 = tl.split(tl.reshape(v, (DT, DV, 2, 2)))  # channel 4i + 2 r1 + r0, split on r0
+        v0, v2 = tl.split(v02)
+        v1, v3 = tl.split(v13)
+        e0 = e0 * c + tl.dot(tl.permute(v0, (1, 0)), pd, input_precision=PREC)
+        e1 = e1 * c + tl.dot(tl.permute(v1, (1, 0)), pd, input_precision=PREC)
+        e2 = e2 * c + tl.dot(tl.permute(v2, (1, 0)), pd, input_precision=PREC)
+        e3 = e3 * c + tl.dot(tl.permute(v3, (1, 0)), pd, input_precision=PREC)
+    return m_new, l_i, e0, e1, e2, e3
+
+
+@triton.jit
 def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, qp3,
                  m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
                  H: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr,
@@ -192,6 +267,7 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
     x2 = x0
     x3 = x0
     z_acc = tl.zeros((WP, NG, G_PAD), tl.float32)
+    b_acc = z_acc  # SVT == 2: sum_t of the fp16 p * s_g the dots saw, for the codes' bias
     w1 = w0
     w2 = w0
     w3 = w0
@@ -208,16 +284,21 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
         s = tl.where(keep[:, None, :], s, float("-inf"))
         mw, lw, p, alpha = _softmax_step(s, mw, lw)
         if SVT:
-            x0, x1, x2, x3, z_acc = _side_values_folded(VC, VS, VZ, bh, tl.permute(p, (0, 2, 1)), x0, x1, x2, x3, z_acc, alpha,
-                                                        offs_p, P, DV, PV, NG, GS, V_BITS, ASM)
+            x0, x1, x2, x3, z_acc, b_acc = _side_values_folded(VC, VS, VZ, bh, tl.permute(p, (0, 2, 1)), x0, x1, x2, x3, z_acc,
+                                                               b_acc, alpha, offs_p, P, DV, PV, NG, GS, V_BITS, ASM, SVT == 2)
         else:
             pv, v0, v1, v2, v3 = _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
             w0, w1, w2, w3 = _acc(w0, w1, w2, w3, alpha, pv, v0, v1, v2, v3, PV, PREC)
     if SVT:
-        w0 = _unfold_values(x0, z_acc, NG)
-        w1 = _unfold_values(x1, z_acc, NG)
-        w2 = _unfold_values(x2, z_acc, NG)
-        w3 = _unfold_values(x3, z_acc, NG)
+        z_even = z_acc
+        z_odd = z_acc
+        if SVT == 2:  # biased codes: 1024 + c, and 1024 + 16c against p * s / 16 for int4's odd nibbles
+            z_even = z_acc - 1024.0 * b_acc
+            z_odd = z_acc - (64.0 if V_BITS == 4 else 1024.0) * b_acc
+        w0 = _unfold_values(x0, z_even, NG)
+        w1 = _unfold_values(x1, z_odd, NG)
+        w2 = _unfold_values(x2, z_even, NG)
+        w3 = _unfold_values(x3, z_odd, NG)
     m_new = tl.maximum(m_i, tl.max(mw, 0))
     c_in = tl.exp2(m_i - m_new)
     c_w = tl.exp2(mw - m_new[None, :])
@@ -341,7 +422,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # with groups of 32 (8 rows a group's dot) 2,305, and side 2 1,422 with 25 barriers (neither
 # measured on the GPU).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", side=1, side_bits=4, side_short=False, side_k16=1, side_vt=True, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", side=1, side_bits=4, side_short=False, side_k16=1, side_vt=True, side_vbias=False, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -450,6 +531,8 @@ def _side(fmt, short: bool) -> int:
         raise ValueError(f"TUNE['side_k16'] must be 0, 1 or 3, got {TUNE['side_k16']!r}")
     if TUNE["side_vt"] not in (False, True):
         raise ValueError(f"TUNE['side_vt'] must be True or False, got {TUNE['side_vt']!r}")
+    if TUNE["side_vbias"] not in (False, True):
+        raise ValueError(f"TUNE['side_vbias'] must be True or False, got {TUNE['side_vbias']!r}")
     if TUNE["side_bits"] not in (4, 8):
         raise ValueError(f"TUNE['side_bits'] must be 4 or 8 (the most bits a side of pages going side by side), got {TUNE['side_bits']!r}")
     if TUNE["side_short"] not in (False, True):
@@ -577,7 +660,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     pages_per_step = side or _pages_per_step(fmt)
     rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(G))  # (triton pads a dot's M < 16 itself)
     # values transposed, their scales folded into the fp16 probabilities (16-bit inputs only)
-    svt = bool(side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32)
+    # (2: their codes biased by 1024 as K's, the bias taken out once at the end)
+    svt = (1 + bool(TUNE["side_vbias"])) if side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32 else 0
     consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt,
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 

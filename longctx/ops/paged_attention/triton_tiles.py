@@ -121,16 +121,22 @@ def _nib_table() -> tuple:
 NIB = tl.constexpr(_nib_table())
 
 
-# Bytes (GPU): two int16 words of int8 codes per 32-bit register -> the fp16 pairs of both
-# sub-tiles in one inline-PTX block: a PRMT puts byte r of each word next to a 0x64 byte
-# (fp16 1024 + c); exact blocks then subtract 1024 (one f16x2 subtract a pair).
-def _asm_bytes(exact: bool) -> str:
-    sub = "mov.b32 m, 0x64006400; sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; " if exact else ""
-    return "{ .reg .b32 k, m; mov.b32 k, 0x64646464; prmt.b32 $0, $2, k, 0x4240; prmt.b32 $1, $2, k, 0x4341; " + sub + "}"
+# Bytes (GPU): two int16 words of int8 codes per 32-bit register -> the fp16 pairs of sub-tiles
+# first .. first + n - 1 (both, or one) in one inline-PTX block: a PRMT puts byte r of each word
+# next to a 0x64 byte (fp16 1024 + c); exact blocks then subtract 1024 (an f16x2 subtract a
+# pair). BYTES[_byte_index(first, n, exact)].
+def _asm_bytes(first: int, n: int, exact: bool) -> str:
+    body = ""
+    for i, r in enumerate(range(first, first + n)):
+        body += f"prmt.b32 ${i}, ${n}, k, {'0x4341' if r else '0x4240'}; " + (f"sub.f16x2 ${i}, ${i}, m; " if exact else "")
+    return "{ .reg .b32 k, m; mov.b32 k, 0x64646464; mov.b32 m, 0x64006400; " + body + "}"
 
 
-BYTES_BIASED = tl.constexpr(_asm_bytes(False))
-BYTES_EXACT = tl.constexpr(_asm_bytes(True))
+def _byte_index(first: int, n: int, exact: bool) -> int:
+    return first + 2 * (n == 2) + 3 * exact
+
+
+BYTES = tl.constexpr(tuple(_asm_bytes(first, n, exact) for exact in (False, True) for first, n in ((0, 1), (1, 1), (0, 2))))
 
 
 @triton.jit
@@ -147,13 +153,16 @@ def _f16_biased(x, r: tl.constexpr, BITS: tl.constexpr):
 def _codes_f16n(x, first: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr):
     """Sub-tiles first .. first + n - 1 of code words x as fp16 (a 4-tuple, the rest repeating
     the first): exact codes, or with BIASED as _f16_biased gives them. n (_codes_per_block) is
-    ASM (1, 2 or 4) for int4 in int16 words on the GPU (one NIB block), 2 for int8 there (one
-    byte block: first is 0), else 1."""
+    ASM (1, 2 or 4) for int4 in int16 words on the GPU (one NIB block), 1 (ASM 1) or 2 for int8
+    there (one BYTES block), else 1."""
     if ASM and BITS == 8 and x.dtype == tl.int16:
-        if BIASED:
-            c0, c1 = tl.inline_asm_elementwise(BYTES_BIASED, "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        if ASM == 1:
+            J: tl.constexpr = first + 3 * (not BIASED)  # _byte_index
+            c0 = tl.inline_asm_elementwise(BYTES[J], "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+            c1 = c0
         else:
-            c0, c1 = tl.inline_asm_elementwise(BYTES_EXACT, "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+            J2: tl.constexpr = 2 + 3 * (not BIASED)  # _byte_index (first is 0)
+            c0, c1 = tl.inline_asm_elementwise(BYTES[J2], "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
         c2 = c0
         c3 = c1
     elif ASM and BITS == 4 and x.dtype == tl.int16:
@@ -185,10 +194,10 @@ def _codes_f16n(x, first: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, B
 @triton.constexpr_function
 def _codes_per_block(bits, asm, dtype):
     """Sub-tiles one _codes_f16n call converts: an inline-PTX block's on int16 words on the GPU
-    (int4: asm of them; int8: both), else 1."""
+    (int4: asm of them; int8: one with asm 1, else both), else 1."""
     if not asm or dtype != tl.int16:
         return 1
-    return asm if bits == 4 else 2 if bits == 8 else 1
+    return asm if bits == 4 else min(asm, 2) if bits == 8 else 1
 
 
 @triton.jit
@@ -623,13 +632,17 @@ def _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P: tl.constexpr, DV: tl.cons
 
 
 @triton.jit
-def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, alpha, offs_p, P: tl.constexpr, DV: tl.constexpr,
-                        PV: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, ASM: tl.constexpr):
+def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, b_acc, alpha, offs_p, P: tl.constexpr, DV: tl.constexpr,
+                        PV: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, ASM: tl.constexpr,
+                        BIASED: tl.constexpr):
     """Side by side, values transposed with their per-token scales folded into the
-    probabilities: for each group g of V's channels, codes_gᵀ [GS/PV, P] (exact fp16 codes, the
-    dot's first operand: converted in its registers) @ (p * s_g) [P, rows], the NG groups along
-    the batch dimension of the accumulators x_r [W * NG, GS/PV, rows]; sum_t p z_g goes to
-    z_acc [W, NG, rows]. All are rescaled by alpha [W, rows] first."""
+    probabilities: for each group g of V's channels, codes_gᵀ [GS/PV, P] (fp16 codes, the dot's
+    first operand: converted in its registers) @ (p * s_g) [P, rows], the NG groups along the
+    batch dimension of the accumulators x_r [W * NG, GS/PV, rows]; sum_t p z_g goes to z_acc
+    [W, NG, rows]. With BIASED the codes are _f16_biased's (1024 + c; 1024 + 16c for int4's odd
+    nibbles, against p * s_g / 16, exact in fp16) and b_acc [W, NG, rows] sums the fp16 p * s_g
+    the dots saw, for the caller to take the bias back out once; else they are exact and b_acc
+    stays as it is. All are rescaled by alpha [W, rows] first."""
     W: tl.constexpr = bh.shape[0]
     R: tl.constexpr = pt.shape[2]
     DG: tl.constexpr = GS // PV  # a group's columns of a sub-tile
@@ -643,24 +656,29 @@ def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, alpha, offs_p
     ok = row >= 0
     sg = _token_groups(VS, row, ok, NG).to(tl.float32)  # [W, P, NG]
     zg = _token_groups(VZ, row, ok, NG).to(tl.float32)
-    pg = tl.permute(pt[:, :, :, None] * sg[:, :, None, :], (0, 3, 1, 2))  # [W, NG, P, rows]
-    pg = tl.reshape(pg.to(tl.float16), (W * NG, P, R))
+    pg = tl.permute(pt[:, :, :, None] * sg[:, :, None, :], (0, 3, 1, 2)).to(tl.float16)  # [W, NG, P, rows]
     z_acc = z_acc * alpha[:, None, :] + tl.sum(pt[:, :, None, :] * zg[:, :, :, None], 1)
+    if BIASED:
+        b_acc = b_acc * alpha[:, None, :] + tl.sum(pg.to(tl.float32), 2)
+    pg = tl.reshape(pg, (W * NG, P, R))
+    pg_odd = pg
+    if BIASED and V_BITS == 4:
+        pg_odd = pg * 0.0625
     c = tl.reshape(tl.broadcast_to(alpha[:, None, None, :], (W, NG, 1, R)), (W * NG, 1, R))
     N: tl.constexpr = _codes_per_block(V_BITS, ASM, xv.dtype)
     for r in tl.static_range(PV):
         if r % N == 0:
-            c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, False)
+            c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, BIASED)
         cr = _pick(c0, c1, c2, c3, r % N)
         if r == 0:
             x0 = x0 * c + tl.dot(cr, pg)
         elif r == 1:
-            x1 = x1 * c + tl.dot(cr, pg)
+            x1 = x1 * c + tl.dot(cr, pg_odd)
         elif r == 2:
             x2 = x2 * c + tl.dot(cr, pg)
         else:
-            x3 = x3 * c + tl.dot(cr, pg)
-    return x0, x1, x2, x3, z_acc
+            x3 = x3 * c + tl.dot(cr, pg_odd)
+    return x0, x1, x2, x3, z_acc, b_acc
 
 
 @triton.jit
