@@ -115,22 +115,23 @@ def test_programs_fit():
 def test_launch_fits_one_wave():
     """Long context, batch 1: the (head, split) programs fill whole waves of the programs per SM
     that the compiled kernel's registers and shared memory allow, never more, on both loops
-    (int4: pages side by side, int8: the 2-D loop); short contexts take the 2-D loop with
-    TUNE's short_stages."""
+    (int8 pages side by side, bf16 pages the 2-D loop); short contexts take side_short pages
+    side by side."""
     from longctx.bench import synthetic_view
 
     q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for bits, side, warps, cap, stages in [(4, TUNE["side"], TUNE["side"], TUNE["side_programs"], TUNE["side_stages"]),
-                                           (8, 0, TUNE["num_warps"], TUNE["programs_per_sm"], TUNE["num_stages"])]:
+    for bits, side, warps, cap, stages in [(8, TUNE["side"], TUNE["side"], TUNE["side_programs"], TUNE["side_stages"]),
+                                           (16, 0, TUNE["num_warps"], TUNE["programs16"], TUNE["stages16"])]:
         paged_attention(q, synthetic_view(1, 65536, 8, 128, KVConfig(bits=bits, block_size=64), "cuda"), backend="triton")
         k, (rows, splits) = K.LAST["kernel"], K.LAST["grid"]
         slots = min(cap, programs_fit(k.n_regs, k.metadata.shared, warps, torch.cuda.get_device_properties(0))) * sms
         assert K.LAST["side"] == side and k.metadata.num_warps == warps and k.metadata.num_stages == stages
         assert rows == 8 and 0.9 * slots < rows * splits <= slots  # (whole steps per split round a little off)
-    # 4k: a page or two per program, nothing for a third pipeline stage to prefetch
+    # 4k: a page or two per program, side_short of them a step
     paged_attention(q, synthetic_view(1, 4096, 8, 128, KVConfig(bits=4, block_size=64), "cuda"), backend="triton")
-    assert K.LAST["kernel"].metadata.num_stages == TUNE["short_stages"] and K.LAST["grid"][1] <= 64 and K.LAST["side"] == 0
+    assert K.LAST["side"] == TUNE["side_short"] and K.LAST["kernel"].metadata.num_warps == TUNE["side_short"]
+    assert K.LAST["grid"][1] == 64 // TUNE["side_short"] and K.LAST["kernel"].metadata.num_stages == TUNE["side_stages"]
 
 
 def _long(case, splits):
@@ -143,57 +144,52 @@ SIDE_CASES = [_long(CASES[1], 1), _long(CASES[3], 2), _long(CASES[4], 2), _long(
               _long(CASES[11], 2)]
 
 
-@pytest.mark.parametrize("side, k16, vt", [(1, 1, 0), (2, 1, 0), (4, 1, 0), (2, 3, 0), (2, 0, 0), (1, 1, 1), (2, 1, 1), (1, 1, 2)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("side, k16, vt", [(1, 1, False), (2, 1, False), (4, 1, False), (2, 3, False), (2, 0, False), (1, 1, True),
+                                          (2, 1, True)], ids=lambda v: str(int(v)))
 @pytest.mark.parametrize("case", SIDE_CASES, ids=[case_id(c) for c in SIDE_CASES])
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
 def test_side_by_side_pages_within_budget(case, side, k16, vt, dtype, monkeypatch):
     """Sealed pages side by side (one a warp, folded into one softmax state at the end), with
     each of K's arithmetics (scales folded into the query, 16-bit dequantization, fp32) and
     both value paths (dequantized, or transposed with their scales folded into the
-    probabilities, vt 1; with their codes biased by 1024 as K's, vt 2): the grid's error
-    budget, with padding, rotation, int2, GQA 3, V groups of 16 and 32, one split and merged
-    splits."""
+    probabilities): the grid's error budget, with padding, rotation, int2, GQA 3, V groups of
+    16 and 32, one split and merged splits."""
     if dtype == torch.float32 and (k16 != 1 or vt):
         pytest.skip("fp32 inputs take K and V in fp32 whatever side_k16 and side_vt say: the (.., 1, 0) cases run them")
     monkeypatch.setitem(TUNE, "side", side)
     monkeypatch.setitem(TUNE, "side_k16", k16)
-    monkeypatch.setitem(TUNE, "side_vt", vt > 0)
-    monkeypatch.setitem(TUNE, "side_vbias", vt == 2)
+    monkeypatch.setitem(TUNE, "side_vt", vt)
     test_triton_decode_within_budget(case, dtype)
     half = dtype != torch.float32
-    assert K.LAST["side"] == side and K.LAST["k16"] == (k16 if half else 0) and K.LAST["svt"] == (vt if half else 0)
+    assert K.LAST["side"] == side and K.LAST["k16"] == (k16 if half else 0) and K.LAST["svt"] == (vt and half)
 
 
 # int8 pages (and mixed int8 K, int4 V), which go side by side with TUNE["side_bits"] 8
 SIDE8_CASES = [_long(CASES[2], 1), _long(CASES[6], 2), _long(CASES[9], 2)]
 
 
-@pytest.mark.parametrize("vt", [0, 1, 2], ids=lambda v: f"vt{v}")
+@pytest.mark.parametrize("vt", [False, True], ids=lambda v: f"vt{int(v)}")
 @pytest.mark.parametrize("case", SIDE8_CASES, ids=[case_id(c) for c in SIDE8_CASES])
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
 def test_side_by_side_int8_pages_within_budget(case, vt, dtype, monkeypatch):
     """int8 pages side by side (TUNE["side_bits"] 8; on the GPU through the byte blocks of
-    inline PTX, K's codes biased by 1024 against q*s), each value path (dequantized; transposed
-    with exact codes; transposed with codes biased by 1024)."""
+    inline PTX, K's codes biased by 1024 against q*s, V's exact), both value paths."""
     if dtype == torch.float32 and vt:
         pytest.skip("fp32 inputs take V in fp32 whatever side_vt says: the vt0 case runs them")
     monkeypatch.setitem(TUNE, "side_bits", 8)
-    monkeypatch.setitem(TUNE, "side_vt", vt > 0)
-    monkeypatch.setitem(TUNE, "side_vbias", vt == 2)
+    monkeypatch.setitem(TUNE, "side_vt", vt)
     test_triton_decode_within_budget(case, dtype)
     half = dtype != torch.float32
-    assert K.LAST["side"] == TUNE["side"] and K.LAST["k16"] == (TUNE["side_k16"] if half else 0) and K.LAST["svt"] == (vt if half else 0)
+    assert K.LAST["side"] == TUNE["side"] and K.LAST["k16"] == (TUNE["side_k16"] if half else 0) and K.LAST["svt"] == (vt and half)
 
 
 @pytest.mark.parametrize("side", [1, 4])
 @pytest.mark.parametrize("case", [_long(CASES[1], 4), _long(CASES[3], 16)], ids=lambda c: case_id(c))
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
 def test_side_by_side_short_programs_within_budget(case, side, dtype, monkeypatch):
-    """TUNE["side_short"]: programs of a page or two (short contexts) side by side too, with
-    more warps than pages (side 4) masking the missing ones."""
-    monkeypatch.setitem(TUNE, "side", side)
-    monkeypatch.setitem(TUNE, "side_short", True)
+    """TUNE["side_short"]: programs of a page or two (short contexts) side by side, with more
+    warps than pages (4) masking the missing ones."""
+    monkeypatch.setitem(TUNE, "side_short", side)
     test_triton_decode_within_budget(case, dtype)
     assert K.LAST["side"] == side
 
@@ -207,15 +203,15 @@ def test_side_rule(monkeypatch):
         return BlockFormat(*cfg.layer_bits(0), block, cfg.group_size, 128, 8, torch.bfloat16, cfg.rotate)
 
     monkeypatch.setitem(TUNE, "side_bits", 4)
-    monkeypatch.setitem(TUNE, "side_short", False)
+    monkeypatch.setitem(TUNE, "side_short", 0)
     assert _side(fmt(4), short=False) == TUNE["side"]
     assert _side(fmt(4), short=True) == 0  # one or two pages a program: the 2-D loop
     assert _side(fmt(8), short=False) == 0
     assert _side(fmt(4, k_bits=8), short=False) == 0
     assert _side(fmt(2, block=16), short=False) == TUNE["side"]
     assert _side(fmt(4, block=128), short=False) == 0
-    monkeypatch.setitem(TUNE, "side_short", True)
-    assert _side(fmt(4), short=True) == TUNE["side"]
+    monkeypatch.setitem(TUNE, "side_short", 2)
+    assert _side(fmt(4), short=True) == 2 and _side(fmt(4), short=False) == TUNE["side"]
     monkeypatch.setitem(TUNE, "side_bits", 8)
     assert _side(fmt(8), short=False) == _side(fmt(4, k_bits=8), short=False) == TUNE["side"]
     assert _side(fmt(16), short=False) == _side(fmt(4, k_bits=16), short=False) == 0
@@ -315,7 +311,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": "yes"}, {"side_vbias": None}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

@@ -46,7 +46,7 @@ def _decode_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
-    PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = 0,
+    PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -267,7 +267,6 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
     x2 = x0
     x3 = x0
     z_acc = tl.zeros((WP, NG, G_PAD), tl.float32)
-    b_acc = z_acc  # SVT == 2: sum_t of the fp16 p * s_g the dots saw, for the codes' bias
     w1 = w0
     w2 = w0
     w3 = w0
@@ -284,21 +283,16 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
         s = tl.where(keep[:, None, :], s, float("-inf"))
         mw, lw, p, alpha = _softmax_step(s, mw, lw)
         if SVT:
-            x0, x1, x2, x3, z_acc, b_acc = _side_values_folded(VC, VS, VZ, bh, tl.permute(p, (0, 2, 1)), x0, x1, x2, x3, z_acc,
-                                                               b_acc, alpha, offs_p, P, DV, PV, NG, GS, V_BITS, ASM, SVT == 2)
+            x0, x1, x2, x3, z_acc = _side_values_folded(VC, VS, VZ, bh, tl.permute(p, (0, 2, 1)), x0, x1, x2, x3, z_acc, alpha,
+                                                        offs_p, P, DV, PV, NG, GS, V_BITS, ASM)
         else:
             pv, v0, v1, v2, v3 = _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
             w0, w1, w2, w3 = _acc(w0, w1, w2, w3, alpha, pv, v0, v1, v2, v3, PV, PREC)
     if SVT:
-        z_even = z_acc
-        z_odd = z_acc
-        if SVT == 2:  # biased codes: 1024 + c, and 1024 + 16c against p * s / 16 for int4's odd nibbles
-            z_even = z_acc - 1024.0 * b_acc
-            z_odd = z_acc - (64.0 if V_BITS == 4 else 1024.0) * b_acc
-        w0 = _unfold_values(x0, z_even, NG)
-        w1 = _unfold_values(x1, z_odd, NG)
-        w2 = _unfold_values(x2, z_even, NG)
-        w3 = _unfold_values(x3, z_odd, NG)
+        w0 = _unfold_values(x0, z_acc, NG)
+        w1 = _unfold_values(x1, z_acc, NG)
+        w2 = _unfold_values(x2, z_acc, NG)
+        w3 = _unfold_values(x3, z_acc, NG)
     m_new = tl.maximum(m_i, tl.max(mw, 0))
     c_in = tl.exp2(m_i - m_new)
     c_w = tl.exp2(mw - m_new[None, :])
@@ -398,7 +392,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # 0.0182 and int4 128k 0.1090-0.1153 against 0.1015-0.1054 (merging fewer splits at once did
 # not lower its registers). maxnreg (0: none) caps registers: capped at 128, int4 128k ran
 # 0.1094-0.1108 ms against 0.1009-0.1054 uncapped.
-# side: sealed pages of at most 4 bits a side go `side` a loop step, one a warp, each with its
+# side: sealed pages of at most side_bits bits a side go `side` a loop step, one a warp, each with its
 # own softmax state until the end (`_sealed_side`, `_side`): no cross-warp exchange a page, where
 # the 2-D loop (num_warps warps on one page) synchronizes six times. Its rows: the query heads of
 # a KV head padded to side_rows (4; triton pads a dot's M under 16 inside the tensor-core tile
@@ -421,8 +415,16 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # --svt 1), side 1, groups of 64: 1,325 instructions a page and 9 barriers against 1,600 and 10;
 # with groups of 32 (8 rows a group's dot) 2,305, and side 2 1,422 with 25 barriers (neither
 # measured on the GPU).
+# v13 (H200, graph timing, scripts/diag_speed.py; notes v13): the sinks and the tail 16 tokens
+# a step, transposed (`_unquantized`; the whole-page step had held ~250 registers), int4 128k /
+# 512k / B8 32k 0.0511 / 0.2282 / 0.0910 ms (2.54x / 2.11x / 2.70x SDPA in that run); capped at
+# 168 registers 0.0991 at 128k (24 spills). side_bits 8: int8 pages side by side too (BYTES
+# blocks), 128k 0.0809 ms against the 2-D loop's 0.1220 (1.58x against 1.05x), 512k 0.3558,
+# B8 32k 0.1614; capped at 168 registers 0.1857. side_short: pages a step side by side where a
+# program gets at most two (0: the 2-D loop): int4 4k 0.0119 ms with 2, 0.0133 with 4, 0.0178
+# with the 2-D loop (SDPA 0.0115).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", side=1, side_bits=4, side_short=False, side_k16=1, side_vt=True, side_vbias=False, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -519,27 +521,17 @@ def _pages_per_step(fmt) -> int:
 
 
 def _side(fmt, short: bool) -> int:
-    """Sealed pages a loop step side by side, one a warp (TUNE["side"]; 0: the 2-D loop): for
-    pages of at most 64 tokens and TUNE["side_bits"] bits on both sides, where a program gets
-    more than two pages (any number with TUNE["side_short"]). Where it measured slower (H200,
-    notes v11, before K's scales were folded into the query and V's into the probabilities):
-    int8 pages (0.1351 against 0.1218 ms at 128k) and short contexts (int4 8k 0.0206 against
-    0.0198). Larger pages were not measured."""
-    if TUNE["side"] not in (0, 1, 2, 4, 8):
-        raise ValueError(f"TUNE['side'] must be 0, 1, 2, 4 or 8 (pages a step, one a warp), got {TUNE['side']!r}")
-    if TUNE["side_k16"] not in (0, 1, 3):
-        raise ValueError(f"TUNE['side_k16'] must be 0, 1 or 3, got {TUNE['side_k16']!r}")
+    """Sealed pages a loop step side by side, one a warp (0: the 2-D loop): for pages of at
+    most 64 tokens and TUNE["side_bits"] bits on both sides, TUNE["side"] of them, or
+    TUNE["side_short"] where a program gets at most two pages (short contexts)."""
+    for name, ok in (("side", (0, 1, 2, 4, 8)), ("side_short", (0, 1, 2, 4, 8)), ("side_k16", (0, 1, 3)), ("side_bits", (4, 8))):
+        if TUNE[name] not in ok or isinstance(TUNE[name], bool):
+            raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
     if TUNE["side_vt"] not in (False, True):
         raise ValueError(f"TUNE['side_vt'] must be True or False, got {TUNE['side_vt']!r}")
-    if TUNE["side_vbias"] not in (False, True):
-        raise ValueError(f"TUNE['side_vbias'] must be True or False, got {TUNE['side_vbias']!r}")
-    if TUNE["side_bits"] not in (4, 8):
-        raise ValueError(f"TUNE['side_bits'] must be 4 or 8 (the most bits a side of pages going side by side), got {TUNE['side_bits']!r}")
-    if TUNE["side_short"] not in (False, True):
-        raise ValueError(f"TUNE['side_short'] must be True or False, got {TUNE['side_short']!r}")
-    if not TUNE["side"] or (short and not TUNE["side_short"]) or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or fmt.block_size > 64:
+    if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or fmt.block_size > 64:
         return 0
-    return TUNE["side"]
+    return TUNE["side_short"] if short else TUNE["side"]
 
 
 def _side_k16(half: bool, scales16: bool) -> int:
@@ -660,8 +652,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     pages_per_step = side or _pages_per_step(fmt)
     rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(G))  # (triton pads a dot's M < 16 itself)
     # values transposed, their scales folded into the fp16 probabilities (16-bit inputs only)
-    # (2: their codes biased by 1024 as K's, the bias taken out once at the end)
-    svt = (1 + bool(TUNE["side_vbias"])) if side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32 else 0
+    svt = bool(side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32)
     consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt,
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 

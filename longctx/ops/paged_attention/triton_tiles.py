@@ -632,17 +632,16 @@ def _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P: tl.constexpr, DV: tl.cons
 
 
 @triton.jit
-def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, b_acc, alpha, offs_p, P: tl.constexpr, DV: tl.constexpr,
-                        PV: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, ASM: tl.constexpr,
-                        BIASED: tl.constexpr):
+def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, alpha, offs_p, P: tl.constexpr, DV: tl.constexpr,
+                        PV: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, ASM: tl.constexpr):
     """Side by side, values transposed with their per-token scales folded into the
-    probabilities: for each group g of V's channels, codes_gᵀ [GS/PV, P] (fp16 codes, the dot's
-    first operand: converted in its registers) @ (p * s_g) [P, rows], the NG groups along the
-    batch dimension of the accumulators x_r [W * NG, GS/PV, rows]; sum_t p z_g goes to z_acc
-    [W, NG, rows]. With BIASED the codes are _f16_biased's (1024 + c; 1024 + 16c for int4's odd
-    nibbles, against p * s_g / 16, exact in fp16) and b_acc [W, NG, rows] sums the fp16 p * s_g
-    the dots saw, for the caller to take the bias back out once; else they are exact and b_acc
-    stays as it is. All are rescaled by alpha [W, rows] first."""
+    probabilities: for each group g of V's channels, codes_gᵀ [GS/PV, P] (exact fp16 codes, the
+    dot's first operand: converted in its registers) @ (p * s_g) [P, rows], the NG groups along
+    the batch dimension of the accumulators x_r [W * NG, GS/PV, rows]; sum_t p z_g goes to
+    z_acc [W, NG, rows]. All are rescaled by alpha [W, rows] first. (Codes biased by 1024 as
+    K's, the bias taken out once from the sums of the fp16 p * s_g, saved an instruction a pair
+    but measured no faster on the H200, and int2 with rotation left the error budget there:
+    notes v13.)"""
     W: tl.constexpr = bh.shape[0]
     R: tl.constexpr = pt.shape[2]
     DG: tl.constexpr = GS // PV  # a group's columns of a sub-tile
@@ -656,29 +655,24 @@ def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, b_acc, alpha,
     ok = row >= 0
     sg = _token_groups(VS, row, ok, NG).to(tl.float32)  # [W, P, NG]
     zg = _token_groups(VZ, row, ok, NG).to(tl.float32)
-    pg = tl.permute(pt[:, :, :, None] * sg[:, :, None, :], (0, 3, 1, 2)).to(tl.float16)  # [W, NG, P, rows]
+    pg = tl.permute(pt[:, :, :, None] * sg[:, :, None, :], (0, 3, 1, 2))  # [W, NG, P, rows]
+    pg = tl.reshape(pg.to(tl.float16), (W * NG, P, R))
     z_acc = z_acc * alpha[:, None, :] + tl.sum(pt[:, :, None, :] * zg[:, :, :, None], 1)
-    if BIASED:
-        b_acc = b_acc * alpha[:, None, :] + tl.sum(pg.to(tl.float32), 2)
-    pg = tl.reshape(pg, (W * NG, P, R))
-    pg_odd = pg
-    if BIASED and V_BITS == 4:
-        pg_odd = pg * 0.0625
     c = tl.reshape(tl.broadcast_to(alpha[:, None, None, :], (W, NG, 1, R)), (W * NG, 1, R))
     N: tl.constexpr = _codes_per_block(V_BITS, ASM, xv.dtype)
     for r in tl.static_range(PV):
         if r % N == 0:
-            c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, BIASED)
+            c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, False)
         cr = _pick(c0, c1, c2, c3, r % N)
         if r == 0:
             x0 = x0 * c + tl.dot(cr, pg)
         elif r == 1:
-            x1 = x1 * c + tl.dot(cr, pg_odd)
+            x1 = x1 * c + tl.dot(cr, pg)
         elif r == 2:
             x2 = x2 * c + tl.dot(cr, pg)
         else:
-            x3 = x3 * c + tl.dot(cr, pg_odd)
-    return x0, x1, x2, x3, z_acc, b_acc
+            x3 = x3 * c + tl.dot(cr, pg)
+    return x0, x1, x2, x3, z_acc
 
 
 @triton.jit
