@@ -47,7 +47,7 @@ def compile_decode(a):
     const = dict(H=a.kv_heads, G=G, G_PAD=max(a.g_pad, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.bits, GS=a.group_size,
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
-                 PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt))
+                 PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), DENSE=a.dense if a.wp else 0)
     if a.prefill:  # the prefill kernel: a.prefill rows (query tokens x G heads) a program
         bt = max(1, a.prefill // G)
         const.update(BT=bt, M=max(16, triton.next_power_of_2(bt * G)))
@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--wp", type=int, default=0, help="sealed pages side by side a step, one a warp (sets --warps; 0: the 2-D loop)")
     ap.add_argument("--k16", type=int, default=K.TUNE["k16"])
     ap.add_argument("--svt", type=int, default=0, help="side by side: values transposed, their scales folded into the probabilities")
+    ap.add_argument("--dense", type=int, default=K.TUNE["side_dense"], help="side by side: sink and tail tokens a step")
     ap.add_argument("--v16", type=int, default=int(K.TUNE["v16"]), help="0: fp32 V, 1: fp16, 2: bf16 where exact")
     ap.add_argument("--words", type=int, default=int(K.TUNE["words"]))
     ap.add_argument("--asm", type=int, default=int(K.TUNE["asm"]), help="0: no inline PTX; int4 sub-tiles a PTX block (1, 2, 4)")

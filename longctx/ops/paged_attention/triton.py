@@ -46,7 +46,7 @@ def _decode_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
-    PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False,
+    PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -79,7 +79,7 @@ def _decode_kernel(
     # 1. + 3. unquantized, unrotated blocks: sink pages, then the tail after the table
     m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _unquantized(
         TABLE + b * stride_tb, SINK_K, SINK_V, TAIL_K + b * s_tk_b + h * s_tk_h, TAIL_V + b * s_tk_b + h * s_tk_h, s_tk_p,
-        h, lo, hi, n_blocks, n_sink, tail_len, start, q, offs_d, offs_v, H, G_PAD, D, P, DV, PV, DOT, PREC, WP > 0)
+        h, lo, hi, n_blocks, n_sink, tail_len, start, q, offs_d, offs_v, H, G_PAD, D, P, DV, PV, DOT, PREC, DENSE)
 
     # 2. sealed pages: WP side by side a step (a warp each), or PAGES a step across the warps
     if WP > 0:
@@ -141,16 +141,16 @@ def _decode_kernel(
 @triton.jit
 def _unquantized(trow, SINK_K, SINK_V, tail_k, tail_v, s_tk_p, h, lo, hi, n_blocks, n_sink, tail_len, start, q, offs_d, offs_v,
                  H: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr,
-                 DOT: tl.constexpr, PREC: tl.constexpr, TRANS: tl.constexpr):
+                 DOT: tl.constexpr, PREC: tl.constexpr, DENSE: tl.constexpr):
     """The online-softmax state (m_i, l_i, a0..a3, r0..r3) of a split's unquantized blocks
     lo .. hi - 1, the first it sees: the sink pages (of the row's table trow) and the tail
     (tail_k/tail_v: this row and head's; token stride s_tk_p). The rotated accumulators r0..r3
-    stay zero (no rotated page has been seen yet). With TRANS (side by side: one warp a
-    program) 16 tokens a step, transposed (_dense_block_t); else a block a step across the
-    warps (_dense_block)."""
+    stay zero (no rotated page has been seen yet). DENSE > 0 (side by side: a warp a page)
+    DENSE tokens a step (at most P), transposed (_dense_block_t); 0: a block a step across the
+    program's warps (_dense_block)."""
     m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _zero_state(G_PAD, DV)
-    if TRANS:
-        DT: tl.constexpr = 16
+    if DENSE > 0:
+        DT: tl.constexpr = DENSE if DENSE < P else P
         R: tl.constexpr = P // DT  # steps a page
         offs_u = tl.arange(0, DT)
         qt = tl.permute(q.to(DOT), (1, 0))
@@ -424,7 +424,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # program gets at most two (0: the 2-D loop): int4 4k 0.0119 ms with 2, 0.0133 with 4, 0.0178
 # with the 2-D loop (SDPA 0.0115).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=16, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -524,7 +524,8 @@ def _side(fmt, short: bool) -> int:
     """Sealed pages a loop step side by side, one a warp (0: the 2-D loop): for pages of at
     most 64 tokens and TUNE["side_bits"] bits on both sides, TUNE["side"] of them, or
     TUNE["side_short"] where a program gets at most two pages (short contexts)."""
-    for name, ok in (("side", (0, 1, 2, 4, 8)), ("side_short", (0, 1, 2, 4, 8)), ("side_k16", (0, 1, 3)), ("side_bits", (4, 8))):
+    for name, ok in (("side", (0, 1, 2, 4, 8)), ("side_short", (0, 1, 2, 4, 8)), ("side_k16", (0, 1, 3)), ("side_bits", (4, 8)),
+                     ("side_dense", (16, 32))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
     if TUNE["side_vt"] not in (False, True):
@@ -653,7 +654,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(G))  # (triton pads a dot's M < 16 itself)
     # values transposed, their scales folded into the fp16 probabilities (16-bit inputs only)
     svt = bool(side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32)
-    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt,
+    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, DENSE=TUNE["side_dense"] if side else 0,
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()

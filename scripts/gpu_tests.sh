@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# GPU test run sharded over N pytest processes (compiling Triton variants is CPU-bound, the
+# GPU work small): collects the node ids of the given test paths (and -k expression), deals
+# them round-robin into N shards, runs the shards in parallel, one log each in $OUT, and
+# prints each shard's summary and failures.
+#   N=4 bash scripts/gpu_tests.sh tests/ops/test_paged_attention_triton.py
+#   N=4 K="side" bash scripts/gpu_tests.sh tests/ops
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+N=${N:-4}
+ids=$OUT/test_ids.txt
+python3 -m pytest -q -p no:cacheprovider --collect-only ${K:+-k "$K"} "$@" 2>/dev/null | grep "::" > "$ids"
+echo "$(wc -l < "$ids") tests in $N shards"
+for i in $(seq 0 $((N - 1))); do
+  awk -v n="$N" -v i="$i" 'NR % n == i' "$ids" > "$OUT/shard$i.txt"
+  (tr '\n' '\0' < "$OUT/shard$i.txt" | xargs -0 python3 -m pytest -q -p no:cacheprovider -rf > "$OUT/shard$i.log" 2>&1) &
+done
+wait
+for i in $(seq 0 $((N - 1))); do
+  echo "-- shard $i: $(tail -1 "$OUT/shard$i.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/shard$i.log" | head -10
+done
