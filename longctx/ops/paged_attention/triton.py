@@ -424,7 +424,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # program gets at most two (0: the 2-D loop): int4 4k 0.0119 ms with 2, 0.0133 with 4, 0.0178
 # with the 2-D loop (SDPA 0.0115).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=16, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
