@@ -164,6 +164,18 @@ def test_side_by_side_pages_within_budget(case, side, k16, vt, dtype, monkeypatc
     assert K.LAST["side"] == side and K.LAST["k16"] == (k16 if half else 0) and K.LAST["svt"] == (vt and half)
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=lambda v: f"apart{int(v)}")
+@pytest.mark.parametrize("case", SIDE_CASES, ids=[case_id(c) for c in SIDE_CASES])
+@pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
+def test_side_apart_within_budget(case, apart, dtype, monkeypatch):
+    """TUNE["side_apart"]: with more than one split the sinks and the tail (every case has a
+    tail) get the last split to themselves and the sealed pages the others; without it each
+    split takes its share of the logical blocks, whatever they hold."""
+    monkeypatch.setitem(TUNE, "side_apart", apart)
+    test_triton_decode_within_budget(case, dtype)
+    assert K.LAST["apart"] == (apart and case[-1] > 1)
+
+
 # int8 pages (and mixed int8 K, int4 V), which go side by side with TUNE["side_bits"] 8
 SIDE8_CASES = [_long(CASES[2], 1), _long(CASES[6], 2), _long(CASES[9], 2)]
 
@@ -314,7 +326,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

@@ -35,13 +35,13 @@ from .triton_tiles import _softmax_step, _step_ids, _zero_state
 
 # Integers that change from step to step are not specialized: Triton would compile a new
 # variant the first time each turns 1 or a multiple of 16 (tail_len does within 16 steps).
-@triton.jit(do_not_specialize=["stride_tb", "n_blocks", "n_sink", "tail_len", "blocks_per_split", "n_splits"])
+@triton.jit(do_not_specialize=["stride_tb", "n_blocks", "n_sink", "tail_len", "blocks_per_split", "n_splits", "apart"])
 def _decode_kernel(
     Q, QR, TABLE, START,
     SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, TAIL_K, TAIL_V,
     O, OR, LSE, OUT, LOUT, COUNT,
     stride_qb, stride_qh, stride_tb, s_tk_b, s_tk_h, s_tk_p,
-    n_blocks, n_sink, tail_len, blocks_per_split, scale, n_splits,
+    n_blocks, n_sink, tail_len, blocks_per_split, scale, n_splits, apart,
     H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
@@ -75,6 +75,14 @@ def _decode_kernel(
     total = n_blocks + tl.cdiv(tail_len, P)
     lo = split * blocks_per_split
     hi = tl.minimum(lo + blocks_per_split, total)
+    j0 = tl.maximum(lo, n_sink)  # the sealed blocks j0 .. j1 - 1
+    j1 = tl.minimum(hi, n_blocks)
+    if apart:  # the last split takes the unquantized blocks alone, the others the sealed ones
+        alone = split == n_splits - 1
+        j0 = tl.where(alone, n_blocks, tl.minimum(n_sink + split * blocks_per_split, n_blocks))
+        j1 = tl.where(alone, n_blocks, tl.minimum(j0 + blocks_per_split, n_blocks))
+        lo = tl.where(alone, 0, j0)
+        hi = tl.where(alone, total, j0)
 
     # 1. + 3. unquantized, unrotated blocks: sink pages, then the tail after the table
     m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _unquantized(
@@ -84,7 +92,7 @@ def _decode_kernel(
     # 2. sealed pages: WP side by side a step (a warp each), or PAGES a step across the warps
     if WP > 0:
         m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _sealed_side(
-            KC, KS, KZ, VC, VS, VZ, TABLE + b * stride_tb, h, tl.maximum(lo, n_sink), tl.minimum(hi, n_blocks), start,
+            KC, KS, KZ, VC, VS, VZ, TABLE + b * stride_tb, h, j0, j1, start,
             qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
             H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP, SVT)
     else:  # PAGES of them per iteration (more loads in flight per program): K scores per
@@ -94,8 +102,6 @@ def _decode_kernel(
         offs_t = tl.arange(0, T)
         n_t = offs_t % PAGES
         i_t = offs_t // PAGES
-        j0 = tl.maximum(lo, n_sink)
-        j1 = tl.minimum(hi, n_blocks)
         trow = TABLE + b * stride_tb
         # block ids a step ahead (loop-carried): the pipeliner then issues a step's page loads
         # without first waiting for its table loads
@@ -424,7 +430,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # program gets at most two (0: the 2-D loop): int4 4k 0.0119 ms with 2, 0.0133 with 4, 0.0178
 # with the 2-D loop (SDPA 0.0115).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=True, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -528,8 +534,9 @@ def _side(fmt, short: bool) -> int:
                      ("side_dense", (16, 32))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
-    if TUNE["side_vt"] not in (False, True):
-        raise ValueError(f"TUNE['side_vt'] must be True or False, got {TUNE['side_vt']!r}")
+    for name in ("side_vt", "side_apart"):
+        if TUNE[name] not in (False, True):
+            raise ValueError(f"TUNE[{name!r}] must be True or False, got {TUNE[name]!r}")
     if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or fmt.block_size > 64:
         return 0
     return TUNE["side_short"] if short else TUNE["side"]
@@ -666,8 +673,16 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     def launch(splits: int, warmup: bool = False):
         """Buffers for `splits` splits and the kernel launched over them (compiled only, not
         run, with warmup)."""
-        bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
-        splits = max(1, math.ceil(total / bps))
+        n_sink = min(view.n_sink, n_blocks)
+        sealed = n_blocks - n_sink
+        # side_apart: the sinks and the tail get a split of their own, the sealed pages the rest
+        apart = bool(side and TUNE["side_apart"] and splits > 1 and sealed > 0 and (n_sink or tail_len))
+        if apart:
+            bps = side * max(1, math.ceil(sealed / (splits - 1) / side))
+            splits = math.ceil(sealed / bps) + 1
+        else:
+            bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
+            splits = max(1, math.ceil(total / bps))
         merged = splits == 1 and not fmt.rotate  # one split: the kernel writes the final output
         merge = merge_in_kernel(splits)
         o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
@@ -682,10 +697,10 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
                 view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
                 o, o_r, lse, out, lout, count,
                 q2.stride(0), q2.stride(1), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-                n_blocks, min(view.n_sink, n_blocks), tail_len, bps, scale, splits)
+                n_blocks, n_sink, tail_len, bps, scale, splits, int(apart))
         if warmup:
             return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, **consts)
-        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt)
+        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt, apart=apart)
         return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:
