@@ -12,6 +12,7 @@ Usage (repo root):
   python3 scripts/sass_decode.py --bits 8 --pages 1 --warps 8
   python3 scripts/sass_decode.py --keep /tmp/sass          # also write .ttgir/.ptx/.sass there
   python3 scripts/sass_decode.py --prefill 64 --stages 2   # the prefill kernel, 64 query rows a program
+  python3 scripts/sass_decode.py --merge-splits 131 --merge-chunk 64 --warps 4   # the merge launch's kernel
   python3 scripts/sass_decode.py --wp 1 --g-pad 4 --stages 2 --merge launch --k16 1 --svt 1 --group-size 64
       # TUNE's side-by-side loop at the bench's shape (run it with the GPU's triton, 3.6, to match its compiler)
 """
@@ -48,12 +49,17 @@ def compile_decode(a):
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
                  PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), DENSE=a.dense if a.wp else 0)
-    if a.prefill:  # the prefill kernel: a.prefill rows (query tokens x G heads) a program
+    if a.merge_splits:  # the merge launch's kernel instead (_merge_kernel)
+        fn = K._merge_kernel
+        names = list(inspect.signature(fn.fn).parameters)
+        const = dict(HQ=a.q_heads, D=a.head_dim, S_PAD=max(2, triton.next_power_of_2(a.merge_splits)), SC=a.merge_chunk)
+        ptrs = dict(POINTERS, OUT="*bf16")
+    elif a.prefill:  # the prefill kernel: a.prefill rows (query tokens x G heads) a program
         bt = max(1, a.prefill // G)
         const.update(BT=bt, M=max(16, triton.next_power_of_2(bt * G)))
         const = {k: v for k, v in const.items() if k in names}
     nospec = {names[i] if isinstance(i, int) else i for i in (getattr(fn, "do_not_specialize", None) or ())}
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.isupper() and n != "C" else "fp32" if n == "scale" else "i32" for n in names}
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.isupper() and n not in ("C", "S") else "fp32" if n == "scale" else "i32" for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or (sig[n] == "i32" and n not in nospec)}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
@@ -95,6 +101,8 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=int(K.TUNE["words"]))
     ap.add_argument("--asm", type=int, default=int(K.TUNE["asm"]), help="0: no inline PTX; int4 sub-tiles a PTX block (1, 2, 4)")
     ap.add_argument("--merge", default="kernel", choices=("kernel", "launch"), help="kernel: with the in-kernel merge")
+    ap.add_argument("--merge-splits", type=int, default=0, help="compile the merge launch's kernel for this many splits instead")
+    ap.add_argument("--merge-chunk", type=int, default=K.TUNE["merge_chunk"], help="with --merge-splits: splits read at a time (0: all)")
     ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")
     ap.add_argument("--keep", type=Path, help="write the kernel's .ttgir, .ptx and .sass into this folder")
     a = ap.parse_args()

@@ -326,7 +326,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel
@@ -337,6 +337,37 @@ def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     q = torch.randn(1, 4, 1, 64).half().to(DEVICE)
     with pytest.raises(ValueError, match="TUNE"):
         paged_decode_triton(q, _to(cache.view(0), DEVICE), None, 64**-0.5)
+
+
+@pytest.mark.parametrize("splits", [1, 5, 37, 131])
+@pytest.mark.parametrize("chunk", [0, 2, 8, 64])
+def test_merge_kernel_chunks(splits, chunk):
+    """The merge launch (TUNE["merge"] "launch", as under CUDA graphs) against torch's
+    log-sum-exp merge, reading the splits all at once (chunk 0) or `chunk` at a time (more
+    than 128 splits at once spill: notes v13); splits that saw no key (LSE -inf) weigh
+    nothing, and a head none of whose splits saw a key gets zeros and -inf."""
+    from longctx.ops.paged_attention.triton import _merge_kernel
+
+    B, Hq, D = 2, 3, 64
+    g = torch.Generator().manual_seed(splits * 100 + chunk)
+    o = torch.randn(B, Hq, splits, D, generator=g)
+    lse = torch.randn(B, Hq, splits, generator=g) * 4
+    lse[0, 1, ::3] = float("-inf")
+    lse[1, 2] = float("-inf")  # this head saw nothing
+    out = torch.empty(B, Hq, 1, D, dtype=torch.float32)
+    lout = torch.empty(B, Hq, 1, dtype=torch.float32)
+    o, lse, out, lout = (t.to(DEVICE) for t in (o, lse, out, lout))
+    _merge_kernel[(B * Hq,)](o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+                             out.stride(0), out.stride(1), HQ=Hq, D=D, S_PAD=max(2, 1 << (splits - 1).bit_length()), SC=chunk)
+    o, lse, out, lout = (t.cpu().double() for t in (o, lse, out, lout))
+    ref_lse = torch.logsumexp(lse, -1)
+    w = torch.exp(lse - torch.where(torch.isfinite(ref_lse), ref_lse, 0.0)[..., None])
+    ref = torch.where(torch.isfinite(ref_lse)[..., None], (o * w[..., None]).sum(-2), 0.0)
+    assert torch.allclose(out[:, :, 0], ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lout[:, :, 0]), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert torch.allclose(lout[:, :, 0][fin], ref_lse[fin], atol=1e-5)
+    assert (out[1, 2] == 0).all()
 
 
 def test_merge_option():

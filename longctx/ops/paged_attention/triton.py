@@ -354,23 +354,44 @@ def _merge_splits(O, LSE, OUT, LOUT, row0, n_splits, G: tl.constexpr, GM: tl.con
 
 @triton.jit(do_not_specialize=["S", "s_o_b", "s_o_h", "s_o_s", "s_l_b", "s_l_h"])
 def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
-                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr):
+                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr = 0):
     """Merge the splits of one (row, query head) by log-sum-exp: the second launch of
-    TUNE["merge"] == "launch" (S_PAD compiles a variant per power of two of splits)."""
+    TUNE["merge"] == "launch" (S_PAD compiles a variant per power of two of splits). SC > 0
+    (TUNE["merge_chunk"]) reads the splits SC at a time with an online rescale where S_PAD is
+    larger; else all at once."""
     pid = tl.program_id(0)
     b = pid // HQ
     hq = pid % HQ
-    offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D)
-    smask = offs_s < S
-    lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)
-    denom = tl.sum(w, 0)
-    w = w / tl.where(denom > 0, denom, 1.0)
-    o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], 0)
+    if SC == 0 or S_PAD <= SC:
+        offs_s = tl.arange(0, S_PAD)
+        smask = offs_s < S
+        lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lse - m_safe)
+        denom = tl.sum(w, 0)
+        w = w / tl.where(denom > 0, denom, 1.0)
+        o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], 0)
+    else:
+        m_safe = 0.0
+        m = float("-inf")
+        denom = 0.0
+        acc = tl.zeros((D,), tl.float32)
+        for s0 in range(0, S, SC):
+            offs_s = s0 + tl.arange(0, SC)
+            smask = offs_s < S
+            lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            c = tl.exp(m - m_safe)
+            w = tl.exp(lse - m_safe)
+            o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0)
+            denom = denom * c + tl.sum(w, 0)
+            acc = acc * c + tl.sum(o * w[:, None], 0)
+            m = m_new
+        out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(OUT + b * s_out_b + hq * s_out_h + offs_d, out.to(OUT.dtype.element_ty))
     tl.store(LOUT + b * HQ + hq, tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf")))
 
@@ -428,9 +449,15 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # blocks), 128k 0.0809 ms against the 2-D loop's 0.1220 (1.58x against 1.05x), 512k 0.3558,
 # B8 32k 0.1614; capped at 168 registers 0.1857. side_short: pages a step side by side where a
 # program gets at most two (0: the 2-D loop): int4 4k 0.0119 ms with 2, 0.0133 with 4, 0.0178
-# with the 2-D loop (SDPA 0.0115).
+# with the 2-D loop (SDPA 0.0115). side_apart (the sinks and the tail in the last split, alone):
+# int4 4k 0.0102 against 0.0112 ms, but 128k 0.0899 against 0.0516 and int8 128k 0.1200 against
+# 0.0790, where it made 129 splits: the merge launch then compiled for 256 (S_PAD) and spilled
+# (sm_90, triton 3.6: 2,680 bytes of stack against none at 128; scripts/sass_decode.py
+# --merge-splits). Off by default. merge_chunk: the merge launch reads at most this many splits
+# at once (0: all): 128 leaves launches of up to 128 splits as they were and takes 512k's 131
+# (the default's own grid there) in two steps of 128 with no spill; not yet timed.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=True, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -514,6 +541,9 @@ def _words(codes: torch.Tensor, bits: int, words: bool) -> torch.Tensor:
 def _merge_in_kernel(option: str, capturing: bool) -> bool:
     if option not in ("auto", "kernel", "launch"):
         raise ValueError(f"TUNE['merge'] must be 'auto', 'kernel' or 'launch', got {option!r}")
+    c = TUNE["merge_chunk"]
+    if isinstance(c, bool) or not isinstance(c, int) or c < 0 or c & (c - 1):
+        raise ValueError(f"TUNE['merge_chunk'] must be 0 (all splits at once) or a power of two, got {c!r}")
     return option == "kernel" or (option == "auto" and not capturing)
 
 
@@ -720,5 +750,6 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         return out[:, :, None].to(q.dtype), (total_lse if return_lse else None)
     if not merge:
         _merge_kernel[(B * Hq,)](o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-                                 out.stride(0), out.stride(1), HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
+                                 out.stride(0), out.stride(1), HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)),
+                                 SC=TUNE["merge_chunk"], num_warps=4)
     return out, (lout if return_lse else None)
