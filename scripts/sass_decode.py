@@ -48,11 +48,11 @@ def compile_decode(a):
     const = dict(H=a.kv_heads, G=G, G_PAD=max(a.g_pad, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.bits, GS=a.group_size,
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
-                 PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), DENSE=a.dense if a.wp else 0)
+                 PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), DENSE=min(a.dense, a.block_size) if a.wp else 0)
     if a.merge_splits:  # the merge launch's kernel instead (_merge_kernel)
         fn = K._merge_kernel
         names = list(inspect.signature(fn.fn).parameters)
-        const = dict(HQ=a.q_heads, D=a.head_dim, S_PAD=max(2, triton.next_power_of_2(a.merge_splits)), SC=a.merge_chunk)
+        const = {"HQ": a.q_heads, "D": a.head_dim, "S_PAD": max(2, triton.next_power_of_2(a.merge_splits)), "SC": a.merge_chunk}
         ptrs = dict(POINTERS, OUT="*bf16")
     elif a.prefill:  # the prefill kernel: a.prefill rows (query tokens x G heads) a program
         bt = max(1, a.prefill // G)

@@ -151,12 +151,12 @@ def _unquantized(trow, SINK_K, SINK_V, tail_k, tail_v, s_tk_p, h, lo, hi, n_bloc
     """The online-softmax state (m_i, l_i, a0..a3, r0..r3) of a split's unquantized blocks
     lo .. hi - 1, the first it sees: the sink pages (of the row's table trow) and the tail
     (tail_k/tail_v: this row and head's; token stride s_tk_p). The rotated accumulators r0..r3
-    stay zero (no rotated page has been seen yet). DENSE > 0 (side by side: a warp a page)
-    DENSE tokens a step (at most P), transposed (_dense_block_t); 0: a block a step across the
+    stay zero (no rotated page has been seen yet). DENSE > 0 (side by side: a warp a page;
+    at most P): DENSE tokens a step, transposed (_dense_block_t); 0: a block a step across the
     program's warps (_dense_block)."""
     m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _zero_state(G_PAD, DV)
     if DENSE > 0:
-        DT: tl.constexpr = DENSE if DENSE < P else P
+        DT: tl.constexpr = DENSE
         R: tl.constexpr = P // DT  # steps a page
         offs_u = tl.arange(0, DT)
         qt = tl.permute(q.to(DOT), (1, 0))
@@ -691,7 +691,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(G))  # (triton pads a dot's M < 16 itself)
     # values transposed, their scales folded into the fp16 probabilities (16-bit inputs only)
     svt = bool(side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32)
-    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, DENSE=TUNE["side_dense"] if side else 0,
+    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
