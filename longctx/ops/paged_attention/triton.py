@@ -153,7 +153,7 @@ def _unquantized(trow, SINK_K, SINK_V, tail_k, tail_v, s_tk_p, h, lo, hi, n_bloc
     (tail_k/tail_v: this row and head's; token stride s_tk_p). The rotated accumulators r0..r3
     stay zero (no rotated page has been seen yet). DENSE > 0 (side by side: a warp a page;
     at most P): DENSE tokens a step, transposed (_dense_block_t); 0: a block a step across the
-    program's warps (_dense_block)."""
+    program's warps."""
     m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _zero_state(G_PAD, DV)
     if DENSE > 0:
         DT: tl.constexpr = DENSE

@@ -92,8 +92,9 @@ def _asm16(x, r: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
 # by 8) OR-ed into fp16 1024 give 1024 + c, nibbles 1 and 3 give 1024 + 16c. Biased blocks
 # leave them so (the caller folds 1/16 and the 1024 offset into its other operand); exact ones
 # turn them into c (a subtract, or an FMA by 1/16 and -64). Several sub-tiles a block share the
-# shift; fewer keep fewer converted tiles live at once (registers). NIB[_nib_index(first, n, exact)].
-def _asm_nibbles(first: int, n: int, exact: bool) -> str:
+# shift; fewer keep fewer converted tiles live at once (registers).
+@triton.constexpr_function
+def _asm_nibbles(first, n, exact):
     src, body = f"${n}", ""
     for i, r in enumerate(range(first, first + n)):
         if r == 2 or (r == 3 and first == 3):
@@ -106,43 +107,22 @@ def _asm_nibbles(first: int, n: int, exact: bool) -> str:
     return "{ .reg .b32 t, k, u, w; " + consts + body + "}"
 
 
-def _nib_index(first: int, n: int, exact: bool) -> int:
-    return first + 4 * (n == 2) + 8 * (n == 4) + 9 * exact
-
-
-def _nib_table() -> tuple:
-    table = [""] * 18
-    for exact in (False, True):
-        for first, n in ((0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (2, 2), (0, 4)):
-            table[_nib_index(first, n, exact)] = _asm_nibbles(first, n, exact)
-    return tuple(table)
-
-
-NIB = tl.constexpr(_nib_table())
-
-
 # Bytes (GPU): two int16 words of int8 codes per 32-bit register -> the fp16 pairs of sub-tiles
 # first .. first + n - 1 (both, or one) in one inline-PTX block: a PRMT puts byte r of each word
 # next to a 0x64 byte (fp16 1024 + c); exact blocks then subtract 1024 (an f16x2 subtract a
-# pair). BYTES[_byte_index(first, n, exact)].
-def _asm_bytes(first: int, n: int, exact: bool) -> str:
+# pair).
+@triton.constexpr_function
+def _asm_bytes(first, n, exact):
     body = ""
     for i, r in enumerate(range(first, first + n)):
         body += f"prmt.b32 ${i}, ${n}, k, {'0x4341' if r else '0x4240'}; " + (f"sub.f16x2 ${i}, ${i}, m; " if exact else "")
     return "{ .reg .b32 k, m; mov.b32 k, 0x64646464; mov.b32 m, 0x64006400; " + body + "}"
 
 
-def _byte_index(first: int, n: int, exact: bool) -> int:
-    return first + 2 * (n == 2) + 3 * exact
-
-
-BYTES = tl.constexpr(tuple(_asm_bytes(first, n, exact) for exact in (False, True) for first, n in ((0, 1), (1, 1), (0, 2))))
-
-
 @triton.jit
 def _f16_biased(x, r: tl.constexpr, BITS: tl.constexpr):
     """Sub-tile r as fp16 1024 + code, or 1024 + 16 * code for the odd nibbles of int4 (what
-    the biased NIB blocks give: the caller divides its other operand by 16 there), exact."""
+    the biased nibble blocks give: the caller divides its other operand by 16 there), exact."""
     c = _code(x, r, BITS).to(tl.int16)
     if BITS == 4 and r % 2 == 1:
         c = c << 4
@@ -153,31 +133,30 @@ def _f16_biased(x, r: tl.constexpr, BITS: tl.constexpr):
 def _codes_f16n(x, first: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr):
     """Sub-tiles first .. first + n - 1 of code words x as fp16 (a 4-tuple, the rest repeating
     the first): exact codes, or with BIASED as _f16_biased gives them. n (_codes_per_block) is
-    ASM (1, 2 or 4) for int4 in int16 words on the GPU (one NIB block), 1 (ASM 1) or 2 for int8
-    there (one BYTES block), else 1."""
+    ASM (1, 2 or 4) for int4 in int16 words on the GPU (one _asm_nibbles block), 1 (ASM 1) or 2
+    for int8 there (one _asm_bytes block), else 1."""
     if ASM and BITS == 8 and x.dtype == tl.int16:
         if ASM == 1:
-            J: tl.constexpr = first + 3 * (not BIASED)  # _byte_index
-            c0 = tl.inline_asm_elementwise(BYTES[J], "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+            c0 = tl.inline_asm_elementwise(_asm_bytes(first, 1, not BIASED), "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
             c1 = c0
-        else:
-            J2: tl.constexpr = 2 + 3 * (not BIASED)  # _byte_index (first is 0)
-            c0, c1 = tl.inline_asm_elementwise(BYTES[J2], "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        else:  # (first is 0)
+            c0, c1 = tl.inline_asm_elementwise(_asm_bytes(0, 2, not BIASED), "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True,
+                                               pack=2)
         c2 = c0
         c3 = c1
     elif ASM and BITS == 4 and x.dtype == tl.int16:
-        I: tl.constexpr = first + 4 * (ASM == 2) + 8 * (ASM == 4) + 9 * (not BIASED)  # _nib_index
+        asm: tl.constexpr = _asm_nibbles(first, ASM, not BIASED)
         if ASM == 1:
-            c0 = tl.inline_asm_elementwise(NIB[I], "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+            c0 = tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
             c1 = c0
             c2 = c0
             c3 = c0
         elif ASM == 2:
-            c0, c1 = tl.inline_asm_elementwise(NIB[I], "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+            c0, c1 = tl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
             c2 = c0
             c3 = c1
         else:
-            c0, c1, c2, c3 = tl.inline_asm_elementwise(NIB[I], "=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 4, is_pure=True, pack=2)
     elif BIASED:
         c0 = _f16_biased(x, first, BITS)
         c1 = c0
@@ -429,7 +408,7 @@ def _values_from_codes(xv, vs, vz, p, V_BITS: tl.constexpr, V16: tl.constexpr, D
     zeros vz (their dtype VT: 16-bit with V16, one FMA per value; else fp32, rounded once into
     DOT), and p in the dtype the dot takes: (pv, v0..v3). Any shape (2-D or 3-D tiles)."""
     VT: tl.constexpr = vs.dtype
-    if V16 and ASM and VT == tl.float16 and V_BITS == 4 and xv.dtype == tl.int16:  # NIB blocks of ASM sub-tiles
+    if V16 and ASM and VT == tl.float16 and V_BITS == 4 and xv.dtype == tl.int16:  # nibble blocks of ASM sub-tiles
         for r in tl.static_range(4):
             if r % ASM == 0:
                 c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, False)
