@@ -56,10 +56,9 @@ def sdpa_ms(B, T):
 # of the first side-by-side session (rows, stages, register caps) are in the notes (v11).
 # side_vt: values transposed, their per-token scales folded into the probabilities (notes v12).
 # The sweep of asm, side 1/2 and register caps that chose the defaults is in the notes (v12).
-# side_bits 8: int8 pages side by side too, their codes converted by PRMT blocks (K biased by
-# 1024 against q*s, V exact): sm_90 (triton 3.6, groups of 64) 1,531 instructions a page
-# against the 2-D loop's 4 x 783. With side_vt the side loop compiles free of spills at 168
-# registers for int4 (12 warps an SM instead of 8; the sink/tail loop spills instead).
+# side_bits 8 (the default now): int8 pages side by side too, their codes converted by PRMT
+# blocks (K biased by 1024 against q*s, V exact). Register caps at 168 spilled on the GPU and
+# ran about twice as long (notes v13).
 # side_short: short contexts (a page or two a program) side by side too, side pages a split.
 # side_vbias (v13, removed): V's codes biased by 1024 as K's, the bias taken out once at the
 # end; no faster. side_dense: side by side, the sinks' and the tail's tokens a step (16, 32).
@@ -67,7 +66,6 @@ def sdpa_ms(B, T):
 # the others, so that no program walks its share of pages and the tail too. Measured with
 # the merge launch's spill at more than 128 splits (notes v13); merge_chunk 128 (the default
 # now, not yet timed) removes it: MC0 is the old merge.
-I8 = {"side_bits": 8}
 AP = {"side_apart": True}
 MC0 = {"merge_chunk": 0}
 SWEEP = [
