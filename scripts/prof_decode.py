@@ -7,8 +7,11 @@ Usage (GPU machine, repo root), e.g. int4 at 128k, batch 1, Llama-3-8B shape:
   ncu -i /tmp/dec.ncu-rep --page details > details.txt
   ncu -i /tmp/dec.ncu-rep --page source --csv --print-source sass > sass.csv
 `bash scripts/device_check.sh prof` does this for int4 at 128k and 4k and writes both to $OUT.
-Args: format (int4, int8, bf16), context tokens, batch; the view is the bench's synthetic one.
+Args: format (int4, int8, bf16), context tokens, batch, then any TUNE overrides as KEY=VALUE
+(Python literals; e.g. merge='launch' for the kernel variant CUDA graphs run); the view is the
+bench's synthetic one.
 """
+import ast
 import sys
 
 import torch
@@ -17,8 +20,14 @@ sys.path.insert(0, ".")
 from longctx import KVConfig
 from longctx.bench import synthetic_view
 from longctx.ops.paged_attention import paged_attention
+from longctx.ops.paged_attention import triton as K
 
 fmt, T, B = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for kv in sys.argv[4:]:
+    k, v = kv.split("=", 1)
+    if k not in K.TUNE:
+        raise SystemExit(f"unknown TUNE key {k!r}")
+    K.TUNE[k] = ast.literal_eval(v)
 bits = {"int4": 4, "int8": 8, "bf16": 16}[fmt]
 Hq, H, D = 32, 8, 128
 view = synthetic_view(B, T, H, D, KVConfig(bits=bits, block_size=64), "cuda")

@@ -1,0 +1,85 @@
+"""Where a decode call's GPU time goes: each kernel's mean duration inside CUDA-graph replays
+(torch.profiler's CUPTI records), against the call's whole replay time from the bench's own
+graph timing. The gap between the sum of the kernels and the call is launch latency and idle
+SMs between the kernels, which no kernel change removes.
+
+Usage (GPU machine, repo root): python3 scripts/diag_parts.py [FORMAT:CONTEXT:BATCH ...] [--tune KEY=VALUE ...]
+  e.g. python3 scripts/diag_parts.py int4:4096:1 int4:131072:1 int4:524288:1 --tune side_dense=16
+"""
+import argparse
+import ast
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, ".")
+from longctx import KVConfig
+from longctx.bench import _time_graph, bench_decode
+from longctx.ops.paged_attention import paged_attention
+from longctx.ops.paged_attention import triton as K
+from scripts.diag_speed import views
+
+Hq, D = 32, 128
+BITS = {"int4": 4, "int8": 8, "bf16": 16}
+
+
+def parts(fmt: str, T: int, B: int, copies: int = 4, reps: int = 20):
+    vs = views(B, T, KVConfig(bits=BITS[fmt], block_size=64), n=copies)
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+
+    def call(i):
+        return paged_attention(q, vs[i], backend="triton", return_lse=False)
+
+    whole = _time_graph(call, len(vs), reps)
+    g = torch.cuda.CUDAGraph()
+    call(0)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        for i in range(len(vs)):
+            call(i)
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    dur = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            dur[e.name].append(e.device_time)  # us
+    calls = reps * len(vs)
+    kern = K.LAST.get("kernel")
+    print(f"== {fmt} {T} B{B}: whole call {whole * 1e3:.2f} us (graph timing); grid {K.LAST.get('grid')}, "
+          f"registers {getattr(kern, 'n_regs', '?')}, spills {getattr(kern, 'n_spills', '?')}", flush=True)
+    total = 0.0
+    for name, ds in sorted(dur.items(), key=lambda kv: -sum(kv[1])):
+        per_call = sum(ds) / calls
+        total += per_call
+        print(f"  {name[:60]:60s} x{len(ds) / calls:.0f} a call, {sum(ds) / len(ds):8.2f} us each, {per_call:8.2f} us a call")
+    print(f"  kernels {total:.2f} us a call; the rest {whole * 1e3 - total:.2f} us (launches, idle gaps)", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cases", nargs="*", default=["int4:4096:1", "int4:131072:1", "int4:524288:1", "int4:32768:8", "int8:131072:1"])
+    ap.add_argument("--tune", nargs="*", default=[], help="TUNE overrides, KEY=VALUE (Python literals)")
+    ap.add_argument("--sdpa", action="store_true", help="also the bench's SDPA dense bf16 time for each case")
+    a = ap.parse_args()
+    for kv in a.tune:
+        k, v = kv.split("=", 1)
+        if k not in K.TUNE:
+            raise SystemExit(f"unknown TUNE key {k!r}")
+        K.TUNE[k] = ast.literal_eval(v)
+    print("TUNE overrides:", a.tune or "none")
+    for c in a.cases:
+        fmt, T, B = c.split(":")
+        parts(fmt, int(T), int(B))
+        if a.sdpa:
+            rows = bench_decode([int(T)], [int(B)], formats=(), graph=True)
+            print("  SDPA dense bf16:", next(r.ms for r in rows if r.name == "SDPA dense bf16") * 1e3, "us")
+
+
+if __name__ == "__main__":
+    main()
