@@ -453,9 +453,13 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # int4 4k 0.0102 against 0.0112 ms, but 128k 0.0899 against 0.0516 and int8 128k 0.1200 against
 # 0.0790, where it made 129 splits: the merge launch then compiled for 256 (S_PAD) and spilled
 # (sm_90, triton 3.6: 2,680 bytes of stack against none at 128; scripts/sass_decode.py
-# --merge-splits). Off by default. merge_chunk: the merge launch reads at most this many splits
-# at once (0: all): 128 leaves launches of up to 128 splits as they were and takes 512k's 131
-# (the default's own grid there) in two steps of 128 with no spill; not yet timed.
+# --merge-splits). merge_chunk: the merge launch reads at most this many splits at once (0:
+# all): 128 leaves launches of up to 128 splits as they were and takes 512k's 131 (the
+# default's own grid there) in two steps of 128 with no spill: int4 512k 0.1895 ms against
+# 0.2183 with 0, int8 512k 0.2809 against 0.3522 (v14, same sweep). With it, side_apart wins
+# at 4k (0.0102 against 0.0113) and ties at 512k (0.1880 against 0.1895), but loses at 128k
+# (0.0541 against 0.0525), int8 128k (0.0818 against 0.0797) and B8 32k (0.1020 against
+# 0.0910): off by default.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
             pages=1, words=True, asm=4, merge="auto", merge_chunk=128, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
