@@ -5,6 +5,8 @@ SMs between the kernels, which no kernel change removes.
 
 Usage (GPU machine, repo root): python3 scripts/diag_parts.py [FORMAT:CONTEXT:BATCH ...] [--tune KEY=VALUE ...]
   e.g. python3 scripts/diag_parts.py int4:4096:1 int4:131072:1 int4:524288:1 --tune side_dense=16
+--ordered: each row's table walks the pool in order (the bench's views place the blocks at
+shuffled slots): how much the kernel's time depends on where the pages lie in DRAM.
 """
 import argparse
 import ast
@@ -25,8 +27,13 @@ Hq, D = 32, 128
 BITS = {"int4": 4, "int8": 8, "bf16": 16}
 
 
-def parts(fmt: str, T: int, B: int, copies: int = 4, reps: int = 20):
+def parts(fmt: str, T: int, B: int, copies: int = 4, reps: int = 20, ordered: bool = False):
     vs = views(B, T, KVConfig(bits=BITS[fmt], block_size=64), n=copies)
+    if ordered:  # row b's sealed block j at pool slot b * n + j (the sink columns keep theirs)
+        for v in vs:
+            t = v.block_table
+            order = torch.arange(t.numel(), dtype=t.dtype, device=t.device).reshape(t.shape)
+            t[:, v.n_sink:] = order[:, v.n_sink:]
     q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
 
     def call(i):
@@ -51,7 +58,7 @@ def parts(fmt: str, T: int, B: int, copies: int = 4, reps: int = 20):
             dur[e.name].append(e.device_time)  # us
     calls = reps * len(vs)
     kern = K.LAST.get("kernel")
-    print(f"== {fmt} {T} B{B}: whole call {whole * 1e3:.2f} us (graph timing); grid {K.LAST.get('grid')}, "
+    print(f"== {fmt} {T} B{B}{' (table in pool order)' if ordered else ''}: whole call {whole * 1e3:.2f} us (graph timing); grid {K.LAST.get('grid')}, "
           f"registers {getattr(kern, 'n_regs', '?')}, spills {getattr(kern, 'n_spills', '?')}", flush=True)
     total = 0.0
     for name, ds in sorted(dur.items(), key=lambda kv: -sum(kv[1])):
@@ -66,6 +73,7 @@ def main():
     ap.add_argument("cases", nargs="*", default=["int4:4096:1", "int4:131072:1", "int4:524288:1", "int4:32768:8", "int8:131072:1"])
     ap.add_argument("--tune", nargs="*", default=[], help="TUNE overrides, KEY=VALUE (Python literals)")
     ap.add_argument("--sdpa", action="store_true", help="also the bench's SDPA dense bf16 time for each case")
+    ap.add_argument("--ordered", action="store_true", help="also each case with its tables in pool order")
     a = ap.parse_args()
     for kv in a.tune:
         k, v = kv.split("=", 1)
@@ -76,6 +84,8 @@ def main():
     for c in a.cases:
         fmt, T, B = c.split(":")
         parts(fmt, int(T), int(B))
+        if a.ordered:
+            parts(fmt, int(T), int(B), ordered=True)
         if a.sdpa:
             rows = bench_decode([int(T)], [int(B)], formats=(), graph=True)
             print("  SDPA dense bf16:", next(r.ms for r in rows if r.name == "SDPA dense bf16") * 1e3, "us")
