@@ -48,7 +48,7 @@ def compile_decode(a):
     const = dict(H=a.kv_heads, G=G, G_PAD=max(a.g_pad, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.bits, GS=a.group_size,
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
-                 PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), DENSE=min(a.dense, a.block_size) if a.wp else 0)
+                 PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0)
     if a.merge_splits:  # the merge launch's kernel instead (_merge_kernel)
         fn = K._merge_kernel
         names = list(inspect.signature(fn.fn).parameters)
@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--wp", type=int, default=0, help="sealed pages side by side a step, one a warp (sets --warps; 0: the 2-D loop)")
     ap.add_argument("--k16", type=int, default=K.TUNE["k16"])
     ap.add_argument("--svt", type=int, default=0, help="side by side: values transposed, their scales folded into the probabilities")
+    ap.add_argument("--zdot", type=int, default=0, help="with --svt: V's zero-point term as a small dot (TUNE side_zdot)")
     ap.add_argument("--dense", type=int, default=K.TUNE["side_dense"], help="side by side: sink and tail tokens a step")
     ap.add_argument("--v16", type=int, default=int(K.TUNE["v16"]), help="0: fp32 V, 1: fp16, 2: bf16 where exact")
     ap.add_argument("--words", type=int, default=int(K.TUNE["words"]))

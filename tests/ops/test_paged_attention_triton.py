@@ -195,6 +195,19 @@ def test_side_by_side_int8_pages_within_budget(case, vt, dtype, monkeypatch):
     assert K.LAST["side"] == TUNE["side"] and K.LAST["k16"] == (TUNE["side_k16"] if half else 0) and K.LAST["svt"] == (vt and half)
 
 
+@pytest.mark.parametrize("side, vt", [(1, True), (2, True), (1, False)], ids=lambda v: str(int(v)))
+@pytest.mark.parametrize("case", SIDE_CASES + SIDE8_CASES, ids=[case_id(c) for c in SIDE_CASES + SIDE8_CASES])
+@pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
+def test_side_zdot_within_budget(case, side, vt, dtype, monkeypatch):
+    """TUNE["side_zdot"]: with the values transposed (side_vt), V's zero-point term as a small
+    fp16 dot instead of a sum over the page's tokens; without side_vt it has nothing to do."""
+    monkeypatch.setitem(TUNE, "side_zdot", True)
+    monkeypatch.setitem(TUNE, "side", side)
+    monkeypatch.setitem(TUNE, "side_vt", vt)
+    test_triton_decode_within_budget(case, dtype)
+    assert K.LAST["side"] == side and K.LAST["svt"] == vt and K.LAST["zdot"] == vt
+
+
 @pytest.mark.parametrize("side, dense", [(1, 16), (2, 32), (4, 16)], ids=lambda v: str(v))
 @pytest.mark.parametrize("case", [_long(CASES[1], 4), _long(CASES[3], 16), _long(CASES[4], 10)], ids=lambda c: case_id(c))
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
@@ -295,7 +308,7 @@ def test_triton_prefill_with_padding_or_lse_reads_the_pages(monkeypatch):
 
 @pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"k16": 2}, {"k16": 3, "pages": 1}, {"k16": 3, "v16": 2}, {"k16": 3, "v16": 2, "pages": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
                                   {"merge": "launch"}, {"merge": "kernel"}, {"maxnreg": 128}, {"side": 0}, {"asm": 1}, {"asm": 2},
-                                  {"side_dense": 16}, {"side_stages": 3}],
+                                  {"side_dense": 16}, {"side_stages": 3}, {"side_zdot": True}],
                          ids=lambda t: "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in t.items()))
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))
 @pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
@@ -326,7 +339,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

@@ -47,6 +47,7 @@ def _decode_kernel(
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
+    ZDOT: tl.constexpr = False,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -94,7 +95,7 @@ def _decode_kernel(
         m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _sealed_side(
             KC, KS, KZ, VC, VS, VZ, TABLE + b * stride_tb, h, j0, j1, start,
             qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
-            H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP, SVT)
+            H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP, SVT, ZDOT)
     else:  # PAGES of them per iteration (more loads in flight per program): K scores per
         # page (_page_scores) joined into one [G_PAD, PAGES*P] tile whose token t is page
         # t % PAGES, row t // PAGES; V rows are loaded in that order.
@@ -249,7 +250,7 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
                  H: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr,
                  V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                  K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr, ASM: tl.constexpr, PK: tl.constexpr,
-                 PV: tl.constexpr, WP: tl.constexpr, SVT: tl.constexpr):
+                 PV: tl.constexpr, WP: tl.constexpr, SVT: tl.constexpr, ZDOT: tl.constexpr):
     """The sealed (quantized) blocks j0 .. j1 - 1 of a row's table (trow), WP pages side by
     side a step (triton_tiles' _side_*): each keeps its own online softmax over the pages it
     sees, and the WP states fold into the program's (m_i, l_i, accumulators) at the end; with
@@ -290,7 +291,7 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
         mw, lw, p, alpha = _softmax_step(s, mw, lw)
         if SVT:
             x0, x1, x2, x3, z_acc = _side_values_folded(VC, VS, VZ, bh, tl.permute(p, (0, 2, 1)), x0, x1, x2, x3, z_acc, alpha,
-                                                        offs_p, P, DV, PV, NG, GS, V_BITS, ASM)
+                                                        offs_p, P, DV, PV, NG, GS, V_BITS, ASM, ZDOT)
         else:
             pv, v0, v1, v2, v3 = _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
             w0, w1, w2, w3 = _acc(w0, w1, w2, w3, alpha, pv, v0, v1, v2, v3, PV, PREC)
@@ -459,9 +460,14 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # 0.2183 with 0, int8 512k 0.2809 against 0.3522 (v14, same sweep). With it, side_apart wins
 # at 4k (0.0102 against 0.0113) and ties at 512k (0.1880 against 0.1895), but loses at 128k
 # (0.0541 against 0.0525), int8 128k (0.0818 against 0.0797) and B8 32k (0.1020 against
-# 0.0910): off by default.
+# 0.0910): off by default. side_zdot: with side_vt, V's zero-point term sum_t p z per group
+# as a small dot of the fp16 zeros and probabilities rather than a sum over the page's
+# tokens. As a dot's operand the zeros' load is prefetched by the pipeliner with the others;
+# the sum left it in the loop, where it stalled each page (Nsight Compute, notes v14). sm_90
+# SASS (triton 3.6, int4): 1,257 instructions a page against 1,290, 74 shuffles against 86.
+# Not yet timed on the GPU: off.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=False, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -568,7 +574,7 @@ def _side(fmt, short: bool) -> int:
                      ("side_dense", (16, 32))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
-    for name in ("side_vt", "side_apart"):
+    for name in ("side_vt", "side_apart", "side_zdot"):
         if TUNE[name] not in (False, True):
             raise ValueError(f"TUNE[{name!r}] must be True or False, got {TUNE[name]!r}")
     if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or fmt.block_size > 64:
@@ -695,7 +701,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(G))  # (triton pads a dot's M < 16 itself)
     # values transposed, their scales folded into the fp16 probabilities (16-bit inputs only)
     svt = bool(side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32)
-    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
+    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and TUNE["side_zdot"], DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -734,7 +740,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
                 n_blocks, n_sink, tail_len, bps, scale, splits, int(apart))
         if warmup:
             return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, **consts)
-        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt, apart=apart)
+        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt, zdot=consts["ZDOT"], apart=apart)
         return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:

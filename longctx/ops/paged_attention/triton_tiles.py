@@ -612,12 +612,16 @@ def _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P: tl.constexpr, DV: tl.cons
 
 @triton.jit
 def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, alpha, offs_p, P: tl.constexpr, DV: tl.constexpr,
-                        PV: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, ASM: tl.constexpr):
+                        PV: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, ASM: tl.constexpr,
+                        ZDOT: tl.constexpr = False):
     """Side by side, values transposed with their per-token scales folded into the
     probabilities: for each group g of V's channels, codes_gᵀ [GS/PV, P] (exact fp16 codes, the
     dot's first operand: converted in its registers) @ (p * s_g) [P, rows], the NG groups along
     the batch dimension of the accumulators x_r [W * NG, GS/PV, rows]; sum_t p z_g goes to
-    z_acc [W, NG, rows]. All are rescaled by alpha [W, rows] first. (Codes biased by 1024 as
+    z_acc [W, NG, rows], as a sum over the page's tokens, or with ZDOT as a small dot of the
+    fp16 zeros and probabilities (a dot's operand, the zeros' load is then prefetched by the
+    pipeliner like the others, where the sum leaves it in the loop). All are rescaled by alpha
+    [W, rows] first. (Codes biased by 1024 as
     K's, the bias taken out once from the sums of the fp16 p * s_g, saved an instruction a pair
     but measured no faster on the H200, and int2 with rotation left the error budget there:
     notes v13.)"""
@@ -633,10 +637,13 @@ def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, alpha, offs_p
                  + tl.arange(0, DG)[None, :, None])
     ok = row >= 0
     sg = _token_groups(VS, row, ok, NG).to(tl.float32)  # [W, P, NG]
-    zg = _token_groups(VZ, row, ok, NG).to(tl.float32)
+    zg = _token_groups(VZ, row, ok, NG).to(tl.float16 if ZDOT else tl.float32)
     pg = tl.permute(pt[:, :, :, None] * sg[:, :, None, :], (0, 3, 1, 2))  # [W, NG, P, rows]
     pg = tl.reshape(pg.to(tl.float16), (W * NG, P, R))
-    z_acc = z_acc * alpha[:, None, :] + tl.sum(pt[:, :, None, :] * zg[:, :, :, None], 1)
+    if ZDOT:
+        z_acc = z_acc * alpha[:, None, :] + tl.dot(tl.permute(zg, (0, 2, 1)), pt.to(tl.float16))
+    else:
+        z_acc = z_acc * alpha[:, None, :] + tl.sum(pt[:, :, None, :] * zg[:, :, :, None], 1)
     c = tl.reshape(tl.broadcast_to(alpha[:, None, None, :], (W, NG, 1, R)), (W * NG, 1, R))
     N: tl.constexpr = _codes_per_block(V_BITS, ASM, xv.dtype)
     for r in tl.static_range(PV):
