@@ -620,11 +620,11 @@ def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, alpha, offs_p
     the batch dimension of the accumulators x_r [W * NG, GS/PV, rows]; sum_t p z_g goes to
     z_acc [W, NG, rows], as a sum over the page's tokens, or with ZDOT as a small dot of the
     fp16 zeros and probabilities (a dot's operand, the zeros' load is then prefetched by the
-    pipeliner like the others, where the sum leaves it in the loop). All are rescaled by alpha
-    [W, rows] first. (Codes biased by 1024 as
-    K's, the bias taken out once from the sums of the fp16 p * s_g, saved an instruction a pair
-    but measured no faster on the H200, and int2 with rotation left the error budget there:
-    notes v13.)"""
+    pipeliner like the others, where the sum leaves it in the loop; fp16 holds the zeros as it
+    holds p * s_g, losing bits only below its normal range, 6.1e-5). All are rescaled by alpha
+    [W, rows] first. (Codes biased by 1024 as K's, the bias taken out once from the sums of the
+    fp16 p * s_g, saved an instruction a pair but measured no faster on the H200, and int2 with
+    rotation left the error budget there: notes v13.)"""
     W: tl.constexpr = bh.shape[0]
     R: tl.constexpr = pt.shape[2]
     DG: tl.constexpr = GS // PV  # a group's columns of a sub-tile
