@@ -11,6 +11,7 @@ Usage (repo root):
   python3 scripts/sass_decode.py                          # int4, 64-token pages, TUNE's settings
   python3 scripts/sass_decode.py --bits 8 --pages 1 --warps 8
   python3 scripts/sass_decode.py --keep /tmp/sass          # also write .ttgir/.ptx/.sass there
+  python3 scripts/sass_decode.py --live                    # each loop's peak of live registers
   python3 scripts/sass_decode.py --prefill 64 --stages 2   # the prefill kernel, 64 query rows a program
   python3 scripts/sass_decode.py --merge-splits 131 --merge-chunk 64 --warps 4   # the merge launch's kernel
   python3 scripts/sass_decode.py --wp 1 --g-pad 4 --stages 2 --merge launch --k16 1 --svt 1 --group-size 64
@@ -79,6 +80,14 @@ def loops(sass: str):
     return sorted(found, key=lambda f: -len(f[2]))
 
 
+def live_registers(nvdisasm: Path, cubin: Path):
+    """[(address, live general registers)] of every instruction (nvdisasm's life ranges), or
+    None with nvdisasm's complaint (it refuses kernels that use all 255 registers)."""
+    run = subprocess.run([nvdisasm, "--life-range-mode", "count", cubin], capture_output=True, text=True)
+    rows = [(int(m.group(1), 16), int(m.group(2))) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/[^\n]*?\|\s*(\d+)\s*\|", run.stdout)]
+    return rows or None, run.stderr.strip()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bits", type=int, default=4, choices=(16, 8, 4, 2))
@@ -106,6 +115,8 @@ def main() -> None:
     ap.add_argument("--merge-chunk", type=int, default=K.TUNE["merge_chunk"], help="with --merge-splits: splits read at a time (0: all)")
     ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")
     ap.add_argument("--keep", type=Path, help="write the kernel's .ttgir, .ptx and .sass into this folder")
+    ap.add_argument("--live", action="store_true", help="also the peak of live registers in each loop and outside them "
+                    "(nvdisasm's life ranges: where the kernel's register count comes from)")
     a = ap.parse_args()
     a.words = bool(a.words)
     a.warps = a.wp or a.warps
@@ -124,6 +135,16 @@ def main() -> None:
         top = ", ".join(f"{op} {k}" for op, k in n.most_common(14))
         print(f"loop {lo:#06x}-{hi:#06x}: {len(ops)} instructions per warp and step (spill loads/stores {n['LDL']}/{n['STL']}, "
               f"barriers {n['BAR']}): {top}")
+    if a.live:
+        rows, err = live_registers(tools / "nvdisasm", cubin)
+        if rows is None:
+            print(f"live registers: nvdisasm gave none ({err[:120]})")
+        else:
+            spans = [(lo, hi) for lo, hi, _ in loops(sass)]
+            for lo, hi in spans:
+                print(f"live registers, loop {lo:#06x}-{hi:#06x}: peak {max(c for x, c in rows if lo <= x <= hi)}")
+            rest = [c for x, c in rows if not any(lo <= x <= hi for lo, hi in spans)]
+            print(f"live registers outside the loops: peak {max(rest) if rest else 0}")
     if a.keep:
         a.keep.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "ptx"):
