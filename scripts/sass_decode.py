@@ -83,7 +83,7 @@ def loops(sass: str):
 def live_registers(nvdisasm: Path, cubin: Path):
     """[(address, live general registers)] of every instruction (nvdisasm's life ranges), or
     None with nvdisasm's complaint (it refuses kernels that use all 255 registers)."""
-    run = subprocess.run([nvdisasm, "--life-range-mode", "count", cubin], capture_output=True, text=True)
+    run = subprocess.run([nvdisasm, "--life-range-mode", "count", cubin], capture_output=True, text=True, check=False)
     rows = [(int(m.group(1), 16), int(m.group(2))) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/[^\n]*?\|\s*(\d+)\s*\|", run.stdout)]
     return rows or None, run.stderr.strip()
 
