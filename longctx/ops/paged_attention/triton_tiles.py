@@ -47,23 +47,14 @@ def _f16_1024(x, r: tl.constexpr, BITS: tl.constexpr):
 
 
 # ASM (GPU): two int16 code words per 32-bit register -> two fp16 codes of sub-tile r, exact:
-# int4 shifts nibble r of both words into place and ORs in fp16 1024 (one LOP3), int8
-# permutes byte r of both words next to a 0x64 byte; then one f16x2 subtract of 1024. bf16
-# int4 codes the same way around bf16 128 (0x4300).
-def _asm_int4(r: int, bf16: bool = False) -> str:
+# int4 shifts nibble r of both words into place and ORs in fp16 1024 (one LOP3), then one
+# f16x2 subtract of 1024; bf16 int4 codes the same way around bf16 128 (0x4300). int8 takes
+# the exact one-sub-tile _asm_bytes block (below).
+@triton.constexpr_function
+def _asm_int4(r, bf16):
     shift = f"shr.b32 t, $1, {4 * r}; " if r else "mov.b32 t, $1; "
     magic, sub = ("0x43004300", "sub.bf16x2") if bf16 else ("0x64006400", "sub.f16x2")
     return "{ .reg .b32 t, k; " + shift + f"lop3.b32 t, t, 0x000F000F, {magic}, 0xea; mov.b32 k, {magic}; {sub} $0, t, k; }}"
-
-
-def _asm_int8(r: int) -> str:
-    return ("{ .reg .b32 t, k; mov.b32 k, 0x64646464; prmt.b32 t, $1, k, " + ("0x4240" if r == 0 else "0x4341")
-            + "; mov.b32 k, 0x64006400; sub.f16x2 $0, t, k; }")
-
-
-ASM_I4_0, ASM_I4_1, ASM_I4_2, ASM_I4_3 = (tl.constexpr(_asm_int4(r)) for r in range(4))
-ASM_B4_0, ASM_B4_1, ASM_B4_2, ASM_B4_3 = (tl.constexpr(_asm_int4(r, bf16=True)) for r in range(4))
-ASM_I8_0, ASM_I8_1 = (tl.constexpr(_asm_int8(r)) for r in range(2))
 
 
 @triton.jit
@@ -71,15 +62,9 @@ def _asm16(x, r: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
     """Sub-tile r of int16 code words as DT codes, exact, GPU only: fp16 for 4 or 8 bits,
     bf16 for 4 bits (its 7 mantissa bits hold 128 + c for c < 128 only)."""
     if BITS == 8:
-        asm: tl.constexpr = ASM_I8_0 if r == 0 else ASM_I8_1
-    elif r == 0:
-        asm: tl.constexpr = ASM_B4_0 if DT == tl.bfloat16 else ASM_I4_0
-    elif r == 1:
-        asm: tl.constexpr = ASM_B4_1 if DT == tl.bfloat16 else ASM_I4_1
-    elif r == 2:
-        asm: tl.constexpr = ASM_B4_2 if DT == tl.bfloat16 else ASM_I4_2
+        asm: tl.constexpr = _asm_bytes(r, 1, True)
     else:
-        asm: tl.constexpr = ASM_B4_3 if DT == tl.bfloat16 else ASM_I4_3
+        asm: tl.constexpr = _asm_int4(r, DT == tl.bfloat16)
     if DT == tl.bfloat16:
         out = tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=2)
     else:
