@@ -53,7 +53,8 @@ def compile_decode(a):
     if a.merge_splits:  # the merge launch's kernel instead (_merge_kernel)
         fn = K._merge_kernel
         names = list(inspect.signature(fn.fn).parameters)
-        const = {"HQ": a.q_heads, "D": a.head_dim, "S_PAD": max(2, triton.next_power_of_2(a.merge_splits)), "SC": a.merge_chunk}
+        const = {"HQ": a.q_heads, "D": a.head_dim, "S_PAD": max(2, triton.next_power_of_2(a.merge_splits)), "SC": a.merge_chunk,
+                 "BD": a.merge_cols}
         ptrs = dict(POINTERS, OUT="*bf16")
     elif a.prefill:  # the prefill kernel: a.prefill rows (query tokens x G heads) a program
         bt = max(1, a.prefill // G)
@@ -113,6 +114,7 @@ def main() -> None:
     ap.add_argument("--merge", default="kernel", choices=("kernel", "launch"), help="kernel: with the in-kernel merge")
     ap.add_argument("--merge-splits", type=int, default=0, help="compile the merge launch's kernel for this many splits instead")
     ap.add_argument("--merge-chunk", type=int, default=K.TUNE["merge_chunk"], help="with --merge-splits: splits read at a time (0: all)")
+    ap.add_argument("--merge-cols", type=int, default=0, help="with --merge-splits: columns a program (0: all)")
     ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")
     ap.add_argument("--keep", type=Path, help="write the kernel's .ttgir, .ptx and .sass into this folder")
     ap.add_argument("--live", action="store_true", help="also the peak of live registers in each loop and outside them "

@@ -195,17 +195,27 @@ def test_side_by_side_int8_pages_within_budget(case, vt, dtype, monkeypatch):
     assert K.LAST["side"] == TUNE["side"] and K.LAST["k16"] == (TUNE["side_k16"] if half else 0) and K.LAST["svt"] == (vt and half)
 
 
-@pytest.mark.parametrize("side, vt", [(1, True), (2, True), (1, False)], ids=lambda v: str(int(v)))
+@pytest.mark.parametrize("side, vt, zdot", [(1, True, 8), (2, True, 8), (1, False, 8), (1, True, 0)], ids=lambda v: str(int(v)))
 @pytest.mark.parametrize("case", SIDE_CASES + SIDE8_CASES, ids=[case_id(c) for c in SIDE_CASES + SIDE8_CASES])
 @pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
-def test_side_zdot_within_budget(case, side, vt, dtype, monkeypatch):
+def test_side_zdot_within_budget(case, side, vt, zdot, dtype, monkeypatch):
     """TUNE["side_zdot"]: with the values transposed (side_vt), V's zero-point term as a small
-    fp16 dot instead of a sum over the page's tokens; without side_vt it has nothing to do."""
-    monkeypatch.setitem(TUNE, "side_zdot", True)
+    fp16 dot instead of a sum over the page's tokens for V of at most that many bits (8: all;
+    0: none, the sum for all); without side_vt it has nothing to do. (The default, 4, runs in
+    the other side-by-side tests: the dot for int4 and int2 V, the sum for int8.)"""
+    monkeypatch.setitem(TUNE, "side_zdot", zdot)
     monkeypatch.setitem(TUNE, "side", side)
     monkeypatch.setitem(TUNE, "side_vt", vt)
     test_triton_decode_within_budget(case, dtype)
-    assert K.LAST["side"] == side and K.LAST["svt"] == vt and K.LAST["zdot"] == vt
+    assert K.LAST["side"] == side and K.LAST["svt"] == vt and K.LAST["zdot"] == (vt and zdot > 0)
+
+
+def test_side_zdot_default_takes_the_dot_for_4_bit_values_only():
+    """The default side_zdot (4): int4 V through the zero-point dot, int8 V through the sum
+    (the dot measured slower there: TUNE's notes)."""
+    for case, v_bits in [(SIDE_CASES[1], 4), (SIDE8_CASES[0], 8), (SIDE8_CASES[1], 4)]:
+        test_triton_decode_within_budget(case, torch.float16)
+        assert K.LAST["svt"] and K.LAST["zdot"] == (v_bits <= TUNE["side_zdot"]), case_id(case)
 
 
 @pytest.mark.parametrize("side, dense", [(1, 16), (2, 32), (4, 16)], ids=lambda v: str(v))
@@ -308,7 +318,7 @@ def test_triton_prefill_with_padding_or_lse_reads_the_pages(monkeypatch):
 
 @pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"k16": 2}, {"k16": 3, "pages": 1}, {"k16": 3, "v16": 2}, {"k16": 3, "v16": 2, "pages": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
                                   {"merge": "launch"}, {"merge": "kernel"}, {"maxnreg": 128}, {"side": 0}, {"asm": 1}, {"asm": 2},
-                                  {"side_dense": 16}, {"side_stages": 3}, {"side_zdot": True}],
+                                  {"side_dense": 16}, {"side_stages": 3}, {"side_zdot": 0}, {"side_zdot": 8}, {"merge": "launch", "merge_cols": 16}],
                          ids=lambda t: "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in t.items()))
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))
 @pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
@@ -339,7 +349,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"merge_cols": 24}, {"merge_cols": 8}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel
@@ -353,16 +363,17 @@ def test_unknown_kernel_options_are_refused(tune, monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [1, 5, 37, 131])
-@pytest.mark.parametrize("chunk", [0, 2, 8, 64])
-def test_merge_kernel_chunks(splits, chunk):
+@pytest.mark.parametrize("chunk, cols", [(0, 0), (2, 0), (8, 16), (64, 0), (0, 32)])
+def test_merge_kernel_chunks(splits, chunk, cols):
     """The merge launch (TUNE["merge"] "launch", as under CUDA graphs) against torch's
     log-sum-exp merge, reading the splits all at once (chunk 0) or `chunk` at a time (more
-    than 128 splits at once spill: notes v13); splits that saw no key (LSE -inf) weigh
-    nothing, and a head none of whose splits saw a key gets zeros and -inf."""
+    than 128 splits at once spill: notes v13), a program all D columns (cols 0) or `cols` of
+    them (TUNE["merge_cols"]); splits that saw no key (LSE -inf) weigh nothing, and a head
+    none of whose splits saw a key gets zeros and -inf."""
     from longctx.ops.paged_attention.triton import _merge_kernel
 
     B, Hq, D = 2, 3, 64
-    g = torch.Generator().manual_seed(splits * 100 + chunk)
+    g = torch.Generator().manual_seed(splits * 100 + chunk + cols)
     o = torch.randn(B, Hq, splits, D, generator=g)
     lse = torch.randn(B, Hq, splits, generator=g) * 4
     lse[0, 1, ::3] = float("-inf")
@@ -370,8 +381,10 @@ def test_merge_kernel_chunks(splits, chunk):
     out = torch.empty(B, Hq, 1, D, dtype=torch.float32)
     lout = torch.empty(B, Hq, 1, dtype=torch.float32)
     o, lse, out, lout = (t.to(DEVICE) for t in (o, lse, out, lout))
-    _merge_kernel[(B * Hq,)](o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-                             out.stride(0), out.stride(1), HQ=Hq, D=D, S_PAD=max(2, 1 << (splits - 1).bit_length()), SC=chunk)
+    lout.fill_(7.0)
+    _merge_kernel[(B * Hq, D // cols if cols else 1)](o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
+                                                     lse.stride(1), out.stride(0), out.stride(1), HQ=Hq, D=D,
+                                                     S_PAD=max(2, 1 << (splits - 1).bit_length()), SC=chunk, BD=cols)
     o, lse, out, lout = (t.cpu().double() for t in (o, lse, out, lout))
     ref_lse = torch.logsumexp(lse, -1)
     w = torch.exp(lse - torch.where(torch.isfinite(ref_lse), ref_lse, 0.0)[..., None])
@@ -381,6 +394,63 @@ def test_merge_kernel_chunks(splits, chunk):
     fin = torch.isfinite(ref_lse)
     assert torch.allclose(lout[:, :, 0][fin], ref_lse[fin], atol=1e-5)
     assert (out[1, 2] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cols", [16, 32, 64])
+def test_merge_launch_column_blocks_under_graphs(cols, monkeypatch):
+    """Under CUDA graph capture the splits merge in a second launch; at batch 1 its programs
+    take blocks of TUNE["merge_cols"] columns (as many as the SMs hold, `_merge_cols`). A
+    replay gives what one program a head gives, to the rounding of the sums' order, and that
+    is within the reference's budget. Two views alternate in the graph."""
+    from longctx.bench import synthetic_view
+    from longctx.ops.paged_attention import triton as kernel
+
+    vs = [synthetic_view(1, 16384, 8, 128, KVConfig(bits=4, block_size=64), "cuda", seed=s) for s in (0, 1)]
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+
+    def replayed():
+        outs = [torch.empty(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in vs]
+        paged_decode_triton(q, vs[0], None, 128**-0.5)  # compile outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for v, o in zip(vs, outs):
+                o.copy_(paged_decode_triton(q, v, None, 128**-0.5)[0])
+        assert kernel.LAST["grid"][1] > 1
+        res = []
+        for _ in range(3):
+            g.replay()
+            torch.cuda.synchronize()
+            res.append([o.clone() for o in outs])
+        return res
+
+    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge_cols": 0})
+    plain = replayed()
+    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge_cols": cols})
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bd = kernel._merge_cols(128, 32, sms)
+    blocks = 128 // bd if bd else 1
+    assert 32 * blocks <= sms and (blocks == 128 // cols or 64 * blocks > sms)
+    got = replayed()
+    for a, b in zip(plain, got):
+        for x, y in zip(a, b):  # (the sums over the splits may run in another order)
+            assert torch.allclose(x.float(), y.float(), rtol=2**-7, atol=2**-7 * y.float().abs().max().item())
+    for v, o in zip(vs, got[0]):
+        ref, _ = paged_attention(q, v, backend="reference")
+        assert (o.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+
+
+def test_merge_column_blocks_fill_idle_sms(monkeypatch):
+    """_merge_cols: blocks of TUNE["merge_cols"] columns while the merge's programs (heads x
+    blocks) stay within one per SM; all columns (0) otherwise."""
+    from longctx.ops.paged_attention import triton as kernel
+
+    for cols, D, heads, sms, want in [(32, 128, 32, 132, 32), (16, 128, 32, 132, 32), (16, 128, 8, 132, 16), (64, 128, 32, 132, 64),
+                                      (32, 128, 256, 132, 0), (32, 128, 100, 132, 0), (32, 128, 66, 132, 64), (32, 64, 32, 132, 32),
+                                      (0, 128, 1, 132, 0), (128, 128, 1, 132, 0), (256, 128, 1, 132, 0)]:
+        monkeypatch.setitem(kernel.TUNE, "merge_cols", cols)
+        assert kernel._merge_cols(D, heads, sms) == want, (cols, D, heads, sms)
 
 
 def test_merge_option():

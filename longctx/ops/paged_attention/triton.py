@@ -355,15 +355,19 @@ def _merge_splits(O, LSE, OUT, LOUT, row0, n_splits, G: tl.constexpr, GM: tl.con
 
 @triton.jit(do_not_specialize=["S", "s_o_b", "s_o_h", "s_o_s", "s_l_b", "s_l_h"])
 def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
-                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr = 0):
+                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr = 0, BD: tl.constexpr = 0):
     """Merge the splits of one (row, query head) by log-sum-exp: the second launch of
     TUNE["merge"] == "launch" (S_PAD compiles a variant per power of two of splits). SC > 0
     (TUNE["merge_chunk"]) reads the splits SC at a time with an online rescale where S_PAD is
-    larger; else all at once."""
+    larger; else all at once. BD > 0 (`_merge_cols`): the program merges BD of the D columns,
+    program_id(1) which (grid (rows * HQ, D // BD)); 0: all D."""
     pid = tl.program_id(0)
     b = pid // HQ
     hq = pid % HQ
-    offs_d = tl.arange(0, D)
+    DC: tl.constexpr = BD if BD > 0 else D  # this program's columns
+    offs_d = tl.arange(0, DC)
+    if BD > 0:
+        offs_d += tl.program_id(1) * BD
     if SC == 0 or S_PAD <= SC:
         offs_s = tl.arange(0, S_PAD)
         smask = offs_s < S
@@ -379,7 +383,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
         m_safe = 0.0
         m = float("-inf")
         denom = 0.0
-        acc = tl.zeros((D,), tl.float32)
+        acc = tl.zeros((DC,), tl.float32)
         for s0 in range(0, S, SC):
             offs_s = s0 + tl.arange(0, SC)
             smask = offs_s < S
@@ -394,7 +398,11 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
             m = m_new
         out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(OUT + b * s_out_b + hq * s_out_h + offs_d, out.to(OUT.dtype.element_ty))
-    tl.store(LOUT + b * HQ + hq, tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf")))
+    lout = tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
+    if BD > 0:
+        tl.store(LOUT + b * HQ + hq, lout, mask=tl.program_id(1) == 0)  # one column block writes it
+    else:
+        tl.store(LOUT + b * HQ + hq, lout)
 
 
 # Launch knobs, measured on the H200 (notes/decode-kernel.md); scripts/diag_speed.py sweeps them.
@@ -465,9 +473,19 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # tokens. As a dot's operand the zeros' load is prefetched by the pipeliner with the others;
 # the sum left it in the loop, where it stalled each page (Nsight Compute, notes v14). sm_90
 # SASS (triton 3.6, int4): 1,257 instructions a page against 1,290, 74 shuffles against 86.
-# Not yet timed on the GPU: off.
+# side_zdot is the largest V width that takes it (0: none). H200, CUPTI kernel times in graph
+# replays, two alternating rounds (scripts/diag_parts.py --ab, notes v15): int4 decode kernel
+# 46.6 against 47.9 us at 128k, 160.4-160.7 against 165.0-165.1 at 512k, 84.8-85.0 against
+# 87.1 at batch 8 / 32k, 7.0 against 7.2 at 4k; int8 at 128k slower, 77.7-78.0 against 75.0.
+# merge_cols: the merge launch's programs take blocks of this many columns where one program a
+# head would leave SMs idle (`_merge_cols`; 0: never). Same runs, merge kernel at batch 1:
+# 2.28-2.32 against 2.97-2.99 us at 128k, 3.59-3.61 against 4.51-4.58 at 512k, 1.70-1.76
+# against 2.01-2.02 at 4k (at batch 8, 256 heads, blocks of 32 ran 2.39 against 2.09 us: the
+# rule keeps all columns there). Launched as a programmatic dependent of the decode kernel
+# (PDL: it may start while that ends) the merge saved nothing measurable in the whole call
+# (128k 54.2-54.9 against 53.2-55.2 us): not kept.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=False, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -554,7 +572,24 @@ def _merge_in_kernel(option: str, capturing: bool) -> bool:
     c = TUNE["merge_chunk"]
     if isinstance(c, bool) or not isinstance(c, int) or c < 0 or c & (c - 1):
         raise ValueError(f"TUNE['merge_chunk'] must be 0 (all splits at once) or a power of two, got {c!r}")
+    c = TUNE["merge_cols"]
+    if isinstance(c, bool) or not isinstance(c, int) or c < 0 or (c and (c & (c - 1) or c < 16)):
+        raise ValueError(f"TUNE['merge_cols'] must be 0 (all columns) or a power of two of at least 16, got {c!r}")
     return option == "kernel" or (option == "auto" and not capturing)
+
+
+def _merge_cols(D: int, heads: int, sm: int) -> int:
+    """Columns a program of the merge launch (0: all D): blocks of TUNE["merge_cols"] (checked
+    by _merge_in_kernel; 0: never) while the `heads` (rows x query heads) programs times the
+    blocks stay within one per SM. Batch 1 of Llama-3's 32 heads leaves 100 of the H200's 132
+    SMs idle with one program a head; four blocks of 32 columns fill 128."""
+    c = TUNE["merge_cols"]
+    if not c or c >= D:
+        return 0
+    n = D // c
+    while n > 1 and heads * n > sm:
+        n //= 2
+    return D // n if n > 1 else 0
 
 
 def _pages_per_step(fmt) -> int:
@@ -571,10 +606,10 @@ def _side(fmt, short: bool) -> int:
     most 64 tokens and TUNE["side_bits"] bits on both sides, TUNE["side"] of them, or
     TUNE["side_short"] where a program gets at most two pages (short contexts)."""
     for name, ok in (("side", (0, 1, 2, 4, 8)), ("side_short", (0, 1, 2, 4, 8)), ("side_k16", (0, 1, 3)), ("side_bits", (4, 8)),
-                     ("side_dense", (16, 32))):
+                     ("side_dense", (16, 32)), ("side_zdot", (0, 4, 8))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
-    for name in ("side_vt", "side_apart", "side_zdot"):
+    for name in ("side_vt", "side_apart"):
         if TUNE[name] not in (False, True):
             raise ValueError(f"TUNE[{name!r}] must be True or False, got {TUNE[name]!r}")
     if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or fmt.block_size > 64:
@@ -701,7 +736,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(G))  # (triton pads a dot's M < 16 itself)
     # values transposed, their scales folded into the fp16 probabilities (16-bit inputs only)
     svt = bool(side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32)
-    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and TUNE["side_zdot"], DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
+    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and fmt.v_bits <= TUNE["side_zdot"], DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -740,7 +775,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
                 n_blocks, n_sink, tail_len, bps, scale, splits, int(apart))
         if warmup:
             return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, **consts)
-        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt, zdot=consts["ZDOT"], apart=apart)
+        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt,
+                    zdot=consts["ZDOT"], apart=apart)
         return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:
@@ -759,7 +795,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         out, total_lse = _merge_rotated(o, o_r, lse, hmat)
         return out[:, :, None].to(q.dtype), (total_lse if return_lse else None)
     if not merge:
-        _merge_kernel[(B * Hq,)](o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-                                 out.stride(0), out.stride(1), HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)),
-                                 SC=TUNE["merge_chunk"], num_warps=4)
+        bd = _merge_cols(D, B * Hq, sm)
+        _merge_kernel[(B * Hq, D // bd if bd else 1)](
+            o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+            HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=bd, num_warps=4)
     return out, (lout if return_lse else None)
