@@ -73,15 +73,17 @@ def sdpa_ms(B, T):
 # 0.0998 against 0.0936, 4k 0.0125 against 0.0117; with three stages too, 0.0771 at 128k. Not
 # kept.
 D16 = {"side_dense": 16}
-# Next (v14): side_zdot, V's zero-point term as a small dot, so that the zeros' load is
-# prefetched like the other loads (sm_90 SASS: 1,257 instructions a page against 1,290).
-ZD = {"side_zdot": True}
+# v15 (notes v15): side_zdot (V's zero-point term as a small dot) is the default for V of at
+# most 4 bits, merge_cols 32 (the merge launch in column blocks at small batch) too; these
+# variants time each without it.
+NZ = {"side_zdot": 0}
+NC = {"merge_cols": 0}
 SWEEP = [
-    ("int4 4k", 4, 4096, 1, 64, [{}, ZD]),
-    ("int4 128k", 4, 131072, 1, 64, [{}, ZD, {**ZD, **D16}]),
-    ("int4 512k", 4, 524288, 1, 64, [{}, ZD]),
-    ("int8 128k", 8, 131072, 1, 64, [{}, ZD]),
-    ("int4 32k B8", 4, 32768, 8, 64, [{}, ZD]),
+    ("int4 4k", 4, 4096, 1, 64, [{}, NZ, NC]),
+    ("int4 128k", 4, 131072, 1, 64, [{}, NZ, NC, D16]),
+    ("int4 512k", 4, 524288, 1, 64, [{}, NZ, NC]),
+    ("int8 128k", 8, 131072, 1, 64, [{}, {"side_zdot": 8}, NC]),
+    ("int4 32k B8", 4, 32768, 8, 64, [{}, NZ]),
 ]
 
 
