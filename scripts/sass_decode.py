@@ -49,7 +49,8 @@ def compile_decode(a):
     const = dict(H=a.kv_heads, G=G, G_PAD=max(a.g_pad, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.bits, GS=a.group_size,
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
-                 PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0)
+                 PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
+                 SKIP=bool(a.skip))
     if a.merge_splits:  # the merge launch's kernel instead (_merge_kernel)
         fn = K._merge_kernel
         names = list(inspect.signature(fn.fn).parameters)
@@ -114,6 +115,7 @@ def main() -> None:
     ap.add_argument("--merge", default="kernel", choices=("kernel", "launch"), help="kernel: with the in-kernel merge")
     ap.add_argument("--merge-splits", type=int, default=0, help="compile the merge launch's kernel for this many splits instead")
     ap.add_argument("--merge-chunk", type=int, default=K.TUNE["merge_chunk"], help="with --merge-splits: splits read at a time (0: all)")
+    ap.add_argument("--skip", type=int, default=0, help="side by side: programs without sinks or tail skip their loops (TUNE side_skip)")
     ap.add_argument("--merge-cols", type=int, default=0, help="with --merge-splits: columns a program (0: all)")
     ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")
     ap.add_argument("--keep", type=Path, help="write the kernel's .ttgir, .ptx and .sass into this folder")

@@ -210,6 +210,16 @@ def test_side_zdot_within_budget(case, side, vt, zdot, dtype, monkeypatch):
     assert K.LAST["side"] == side and K.LAST["svt"] == vt and K.LAST["zdot"] == (vt and zdot > 0)
 
 
+@pytest.mark.parametrize("case", SIDE_CASES + SIDE8_CASES, ids=[case_id(c) for c in SIDE_CASES + SIDE8_CASES])
+@pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
+def test_side_skip_within_budget(case, dtype, monkeypatch):
+    """TUNE["side_skip"]: side by side, programs with no sink page and no tail block skip the
+    unquantized loops; those with some (the first and last splits of a row) still read them."""
+    monkeypatch.setitem(TUNE, "side_skip", True)
+    test_triton_decode_within_budget(case, dtype)
+    assert K.LAST["side"] and K.LAST["skip"]
+
+
 def test_side_zdot_default_takes_the_dot_for_4_bit_values_only():
     """The default side_zdot (4): int4 V through the zero-point dot, int8 V through the sum
     (the dot measured slower there: TUNE's notes)."""
@@ -318,7 +328,7 @@ def test_triton_prefill_with_padding_or_lse_reads_the_pages(monkeypatch):
 
 @pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"k16": 2}, {"k16": 3, "pages": 1}, {"k16": 3, "v16": 2}, {"k16": 3, "v16": 2, "pages": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
                                   {"merge": "launch"}, {"merge": "kernel"}, {"maxnreg": 128}, {"side": 0}, {"asm": 1}, {"asm": 2},
-                                  {"side_dense": 16}, {"side_stages": 3}, {"side_zdot": 0}, {"side_zdot": 8}, {"merge": "launch", "merge_cols": 16}],
+                                  {"side_dense": 16}, {"side_stages": 3}, {"side_zdot": 0}, {"side_zdot": 8}, {"merge": "launch", "merge_cols": 16}, {"side_skip": True}],
                          ids=lambda t: "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in t.items()))
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))
 @pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
@@ -349,7 +359,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"merge_cols": 24}, {"merge_cols": 8}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"merge_cols": 24}, {"merge_cols": 8}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

@@ -47,7 +47,7 @@ def _decode_kernel(
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
-    ZDOT: tl.constexpr = False,
+    ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -85,10 +85,14 @@ def _decode_kernel(
         lo = tl.where(alone, 0, j0)
         hi = tl.where(alone, total, j0)
 
-    # 1. + 3. unquantized, unrotated blocks: sink pages, then the tail after the table
-    m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _unquantized(
-        TABLE + b * stride_tb, SINK_K, SINK_V, TAIL_K + b * s_tk_b + h * s_tk_h, TAIL_V + b * s_tk_b + h * s_tk_h, s_tk_p,
-        h, lo, hi, n_blocks, n_sink, tail_len, start, q, offs_d, offs_v, H, G_PAD, D, P, DV, PV, DOT, PREC, DENSE)
+    # 1. + 3. unquantized, unrotated blocks: sink pages, then the tail after the table; with
+    # SKIP only in the programs that have some (the loops' pipelined prologues cost every
+    # program ~700 instructions, sm_90, even with no step to take)
+    m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _zero_state(G_PAD, DV)
+    if not SKIP or (lo < n_sink) | (hi > n_blocks):
+        m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _unquantized(
+            TABLE + b * stride_tb, SINK_K, SINK_V, TAIL_K + b * s_tk_b + h * s_tk_h, TAIL_V + b * s_tk_b + h * s_tk_h, s_tk_p,
+            h, lo, hi, n_blocks, n_sink, tail_len, start, q, offs_d, offs_v, H, G_PAD, D, P, DV, PV, DOT, PREC, DENSE)
 
     # 2. sealed pages: WP side by side a step (a warp each), or PAGES a step across the warps
     if WP > 0:
@@ -483,9 +487,14 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # against 2.01-2.02 at 4k (at batch 8, 256 heads, blocks of 32 ran 2.39 against 2.09 us: the
 # rule keeps all columns there). Launched as a programmatic dependent of the decode kernel
 # (PDL: it may start while that ends) the merge saved nothing measurable in the whole call
-# (128k 54.2-54.9 against 53.2-55.2 us): not kept.
+# (128k 54.2-54.9 against 53.2-55.2 us): not kept. side_skip: side by side, a program with no
+# sink page and no tail block skips the unquantized loops altogether; their pipelined
+# prologues (address arithmetic and predicated-off copies) otherwise run in every program.
+# sm_90 SASS (triton 3.6, int4, side_zdot): ~890 instructions outside the side loop in such a
+# program against ~1,600; the side loop 1,260 a page against 1,257, no spills. Not yet timed
+# on the GPU: off.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=False, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -609,7 +618,7 @@ def _side(fmt, short: bool) -> int:
                      ("side_dense", (16, 32)), ("side_zdot", (0, 4, 8))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
-    for name in ("side_vt", "side_apart"):
+    for name in ("side_vt", "side_apart", "side_skip"):
         if TUNE[name] not in (False, True):
             raise ValueError(f"TUNE[{name!r}] must be True or False, got {TUNE[name]!r}")
     if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or fmt.block_size > 64:
@@ -736,7 +745,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(G))  # (triton pads a dot's M < 16 itself)
     # values transposed, their scales folded into the fp16 probabilities (16-bit inputs only)
     svt = bool(side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32)
-    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and fmt.v_bits <= TUNE["side_zdot"], DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
+    consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and fmt.v_bits <= TUNE["side_zdot"],
+                  SKIP=bool(side) and TUNE["side_skip"], DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -776,7 +786,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         if warmup:
             return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, **consts)
         LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt,
-                    zdot=consts["ZDOT"], apart=apart)
+                    zdot=consts["ZDOT"], apart=apart, skip=consts["SKIP"])
         return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:
