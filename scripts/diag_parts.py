@@ -103,6 +103,8 @@ def main():
     ap.add_argument("--ab", nargs="*", default=[], help='override sets "KEY=VALUE,KEY=VALUE" run in turn with the defaults')
     ap.add_argument("--rounds", type=int, default=2, help="with --ab: rounds of the default and every set")
     a = ap.parse_args()
+    if a.ab and (a.ordered or a.bare or a.splits or a.sdpa):
+        raise SystemExit("--ab runs the default and its sets alone: leave out --ordered, --bare, --splits and --sdpa")
     K.TUNE.update(overrides(a.tune))
     print("TUNE overrides:", a.tune or "none")
     base = dict(K.TUNE)
