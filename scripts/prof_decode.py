@@ -11,7 +11,6 @@ Args: format (int4, int8, bf16), context tokens, batch, then any TUNE overrides 
 (Python literals; e.g. merge='launch' for the kernel variant CUDA graphs run); the view is the
 bench's synthetic one.
 """
-import ast
 import sys
 
 import torch
@@ -21,13 +20,10 @@ from longctx import KVConfig
 from longctx.bench import synthetic_view
 from longctx.ops.paged_attention import paged_attention
 from longctx.ops.paged_attention import triton as K
+from scripts.diag_parts import overrides
 
 fmt, T, B = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for kv in sys.argv[4:]:
-    k, v = kv.split("=", 1)
-    if k not in K.TUNE:
-        raise SystemExit(f"unknown TUNE key {k!r}")
-    K.TUNE[k] = ast.literal_eval(v)
+K.TUNE.update(overrides(sys.argv[4:]))
 bits = {"int4": 4, "int8": 8, "bf16": 16}[fmt]
 Hq, H, D = 32, 8, 128
 view = synthetic_view(B, T, H, D, KVConfig(bits=bits, block_size=64), "cuda")
