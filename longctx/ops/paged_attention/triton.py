@@ -491,10 +491,13 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # sink page and no tail block skips the unquantized loops altogether; their pipelined
 # prologues (address arithmetic and predicated-off copies) otherwise run in every program.
 # sm_90 SASS (triton 3.6, int4, side_zdot): ~890 instructions outside the side loop in such a
-# program against ~1,600; the side loop 1,260 a page against 1,257, no spills. Not yet timed
-# on the GPU: off.
+# program against ~1,600; the side loop 1,260 a page against 1,257, no spills. H200, decode
+# kernel alone (scripts/diag_parts.py --ab, two rounds, notes v16): int4 128k 46.1, 46.0
+# against 46.6, 46.6 us; 512k 161.8, 161.6 against 162.1, 162.2; batch 8 at 32k 85.1, 85.5
+# against 85.6, 85.6; int8 128k 73.9, 74.0 against 75.7, 75.8; but int4 4k 7.5, 7.6 against
+# 6.9, 6.9 (programs of two pages: side_short), so it applies only where programs get more.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=False, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -746,7 +749,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     # values transposed, their scales folded into the fp16 probabilities (16-bit inputs only)
     svt = bool(side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32)
     consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and fmt.v_bits <= TUNE["side_zdot"],
-                  SKIP=bool(side) and TUNE["side_skip"], DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
+                  SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -786,7 +789,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         if warmup:
             return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, **consts)
         LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt,
-                    zdot=consts["ZDOT"], apart=apart, skip=consts["SKIP"])
+                    zdot=consts["ZDOT"], apart=apart, skip=consts["SKIP"], short=short)
         return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:
