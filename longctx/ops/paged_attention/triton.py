@@ -266,10 +266,10 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
     offs_p = tl.arange(0, P)
     offs_k = tl.arange(0, DK)
     offs_v = tl.arange(0, DV)
-    q30 = tl.broadcast_to(qp0[None, :, :], (WP, G_PAD, DK))
-    q31 = tl.broadcast_to(qp1[None, :, :], (WP, G_PAD, DK))
-    q32 = tl.broadcast_to(qp2[None, :, :], (WP, G_PAD, DK))
-    q33 = tl.broadcast_to(qp3[None, :, :], (WP, G_PAD, DK))
+    q30 = tl.broadcast_to(tl.permute(qp0, (1, 0))[None, :, :], (WP, DK, G_PAD))  # transposed: the dots' second operand
+    q31 = tl.broadcast_to(tl.permute(qp1, (1, 0))[None, :, :], (WP, DK, G_PAD))
+    q32 = tl.broadcast_to(tl.permute(qp2, (1, 0))[None, :, :], (WP, DK, G_PAD))
+    q33 = tl.broadcast_to(tl.permute(qp3, (1, 0))[None, :, :], (WP, DK, G_PAD))
     mw = tl.full((WP, G_PAD), NEG_BIG, tl.float32)
     lw = tl.zeros((WP, G_PAD), tl.float32)
     w0 = tl.zeros((WP, G_PAD, DV), tl.float32)
@@ -431,7 +431,9 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # stays ("auto"): in-kernel at 4k int4 0.0164 against 0.0177 ms, but int8 4k 0.0188 against
 # 0.0182 and int4 128k 0.1090-0.1153 against 0.1015-0.1054 (merging fewer splits at once did
 # not lower its registers). maxnreg (0: none) caps registers: capped at 128, int4 128k ran
-# 0.1094-0.1108 ms against 0.1009-0.1054 uncapped.
+# 0.1094-0.1108 ms against 0.1009-0.1054 uncapped. Side by side (v16, decode kernel alone,
+# scripts/diag_parts.py --ab): capped at 184 (11 warps an SM, 18 spills) int4 128k 76.1-76.4 us,
+# at 168 (12 warps, 38 spills) 66.0-66.3, against 46.6 uncapped at 255 (8 warps).
 # side: sealed pages of at most side_bits bits a side go `side` a loop step, one a warp, each with its
 # own softmax state until the end (`_sealed_side`, `_side`): no cross-warp exchange a page, where
 # the 2-D loop (num_warps warps on one page) synchronizes six times. Its rows: the query heads of
