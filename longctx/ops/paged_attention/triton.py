@@ -169,12 +169,14 @@ def _unquantized(trow, SINK_K, SINK_V, tail_k, tail_v, s_tk_p, h, lo, hi, n_bloc
         e1 = e0
         e2 = e0
         e3 = e0
-        for u in range(lo * R, tl.minimum(hi, n_sink) * R):
+        # two stages whatever the launch's num_stages (the side loop's side_stages): three of
+        # these 16-bit tiles took 32 KB of shared memory a program, against 18.7 with two
+        for u in tl.range(lo * R, tl.minimum(hi, n_sink) * R, num_stages=2):
             blk = tl.load(trow + u // R).to(tl.int64)
             off = (blk * H + h) * P * D + (u % R) * DT * D
             m_i, l_i, e0, e1, e2, e3 = _dense_block_t(SINK_K + off, SINK_V + off, D, offs_u >= 0, u * DT + offs_u, start, qt,
                                                       m_i, l_i, e0, e1, e2, e3, offs_u, offs_d, DV, PV, DOT, PREC)
-        for t0 in range((tl.maximum(lo, n_blocks) - n_blocks) * P, tl.minimum(tail_len, (hi - n_blocks) * P), DT):
+        for t0 in tl.range((tl.maximum(lo, n_blocks) - n_blocks) * P, tl.minimum(tail_len, (hi - n_blocks) * P), DT, num_stages=2):
             t = t0 + offs_u
             m_i, l_i, e0, e1, e2, e3 = _dense_block_t(tail_k + t0 * s_tk_p, tail_v + t0 * s_tk_p, s_tk_p, t < tail_len, n_blocks * P + t,
                                                       start, qt, m_i, l_i, e0, e1, e2, e3, offs_u, offs_d, DV, PV, DOT, PREC)
@@ -498,6 +500,12 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # against 46.6, 46.6 us; 512k 161.8, 161.6 against 162.1, 162.2; batch 8 at 32k 85.1, 85.5
 # against 85.6, 85.6; int8 128k 73.9, 74.0 against 75.7, 75.8; but int4 4k 7.5, 7.6 against
 # 6.9, 6.9 (programs of two pages: side_short), so it applies only where programs get more.
+# side_stages 3 (the sinks and tail loops kept at two, 18.7 KB of shared memory a program;
+# int8 pages take 34.5 KB, 6 programs an SM), same runs (v16): int4 128k 46.4, 46.6 against
+# 45.4, 45.3 us; 512k 155.2, 155.0 against 157.9, 158.2; batch 8 at 32k 83.4, 83.4 against
+# 83.7, 83.4; 4k 7.4, 7.4 against 6.8, 6.8. Cheaper a page, dearer a program: not kept.
+# Tried and dropped (v16, same kind of runs): an L2 prefetch (`prefetch.global.L2`) of the
+# pages one to three steps ahead, slower by 2-16 us at 128k and more with distance.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
             pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
