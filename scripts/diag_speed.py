@@ -78,16 +78,18 @@ D16 = {"side_dense": 16}
 # variants time each without it.
 NZ = {"side_zdot": 0}
 NC = {"merge_cols": 0}
-# Next (v15): side_skip, programs without sinks or tail skip the unquantized loops' prologues
-# (built, off, not yet timed). Whole-call readings move by ~5 %: confirm a win with
-# scripts/diag_parts.py --ab side_skip=True (kernel times, alternating rounds).
-SK = {"side_skip": True}
+# v16 (notes v16): side_skip (programs of more than two pages without sinks or tail skip the
+# unquantized loops) is the default; these variants time each without it, and three side
+# stages (faster at 512k, slower at 128k). Whole-call readings move by ~5 %: confirm a win with
+# scripts/diag_parts.py --ab (kernel times, alternating rounds).
+SK = {"side_skip": False}
+S3 = {"side_stages": 3}
 SWEEP = [
-    ("int4 4k", 4, 4096, 1, 64, [{}, SK, NZ, NC]),
-    ("int4 128k", 4, 131072, 1, 64, [{}, SK, NZ, NC, D16]),
-    ("int4 512k", 4, 524288, 1, 64, [{}, SK, NZ, NC]),
+    ("int4 4k", 4, 4096, 1, 64, [{}, NZ, NC]),
+    ("int4 128k", 4, 131072, 1, 64, [{}, SK, NZ, NC, D16, S3]),
+    ("int4 512k", 4, 524288, 1, 64, [{}, SK, NZ, NC, S3]),
     ("int8 128k", 8, 131072, 1, 64, [{}, SK, {"side_zdot": 8}, NC]),
-    ("int4 32k B8", 4, 32768, 8, 64, [{}, SK, NZ]),
+    ("int4 32k B8", 4, 32768, 8, 64, [{}, SK, NZ, S3]),
 ]
 
 
