@@ -329,6 +329,22 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
 
 
 @triton.jit
+def _lse_step(lse, o, m, den, acc):
+    """One chunk of an online log-sum-exp merge over splits, the last axis of lse [..., S] (the
+    chunk's natural-log LSEs) and the second last of o [..., S, D] (their normalized outputs):
+    the running max m, denominator den [...] and unnormalized sum acc [..., D] rescaled to the
+    new max and the chunk added. Returns (m, m_safe, den, acc), m_safe the max with -inf (no
+    split seen yet) as 0."""
+    m_new = tl.maximum(m, tl.max(lse, -1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    c = tl.exp(m - m_safe)
+    w = tl.exp(lse - tl.expand_dims(m_safe, -1))
+    den = den * c + tl.sum(w, -1)
+    acc = acc * tl.expand_dims(c, -1) + tl.sum(o * tl.expand_dims(w, -1), -2)
+    return m_new, m_safe, den, acc
+
+
+@triton.jit
 def _merge_splits(O, LSE, OUT, LOUT, row0, n_splits, G: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr, D: tl.constexpr):
     """out = sum_s exp(lse_s - lse) o_s over the splits of query rows row0 .. row0 + G - 1, SB
     splits at a time (online, like the softmax); partials are read past L1 (.cg): other
@@ -346,13 +362,7 @@ def _merge_splits(O, LSE, OUT, LOUT, row0, n_splits, G: tl.constexpr, GM: tl.con
         lse = tl.load(LSE + rows[:, None] * n_splits + offs_s[None, :], mask=ms, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(O + (rows[:, None, None] * n_splits + offs_s[None, :, None]) * D + offs_d[None, None, :],
                     mask=ms[:, :, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        c = tl.exp(m - m_safe)
-        w = tl.exp(lse - m_safe[:, None])
-        den = den * c + tl.sum(w, 1)
-        acc = acc * c[:, None] + tl.sum(o * w[:, :, None], 1)
-        m = m_new
+        m, _, den, acc = _lse_step(lse, o, m, den, acc)
     ok = den > 0
     out = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
     tl.store(OUT + rows[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=gm[:, None])
@@ -394,14 +404,8 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
             offs_s = s0 + tl.arange(0, SC)
             smask = offs_s < S
             lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"))
-            m_new = tl.maximum(m, tl.max(lse, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            c = tl.exp(m - m_safe)
-            w = tl.exp(lse - m_safe)
             o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0)
-            denom = denom * c + tl.sum(w, 0)
-            acc = acc * c + tl.sum(o * w[:, None], 0)
-            m = m_new
+            m, m_safe, denom, acc = _lse_step(lse, o, m, denom, acc)
         out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(OUT + b * s_out_b + hq * s_out_h + offs_d, out.to(OUT.dtype.element_ty))
     lout = tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
