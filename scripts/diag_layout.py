@@ -42,6 +42,9 @@ def big(bits: int) -> int:
 @triton.jit
 def _walk(TABLE, KC, VC, KS, KZ, VS, VZ, OUT, pages_per, n_blocks, H: tl.constexpr, BIG: tl.constexpr, SMALL: tl.constexpr,
           RECORD: tl.constexpr, NS: tl.constexpr, PS: tl.constexpr, SPIN: tl.constexpr = 0):
+    """One program per (KV head, split) reads its pages_per blocks of TABLE, PS a step in NS
+    pipeline stages (an odd count re-reads the last page), from the six pool tensors or, with
+    RECORD, from one record per (block, head) in KC; stores a checksum of them in OUT."""
     pid = tl.program_id(0)
     h = pid % H
     split = pid // H
