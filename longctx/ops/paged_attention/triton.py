@@ -512,7 +512,9 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # pages one to three steps ahead, slower by 2-16 us at 128k and more with distance. v17: asm 1
 # capped at 200 registers (10 warps an SM, no spills in the side loop) 71.4 against 45.8 us at
 # int4 128k; the driver asked for the largest shared-memory carveout: no change; three stages
-# from 32 pages a program on: int4 0.5-1.3 % faster, int8 slower (six programs an SM).
+# from 32 pages a program on: int4 0.5-1.3 % faster, int8 slower (six programs an SM); the side
+# loop skewed (a step scoring the next pages while it accumulates its own values): slower
+# everywhere, int4 128k 48.4 against 45.9 us.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
             pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
