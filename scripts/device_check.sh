@@ -4,6 +4,7 @@
 #   bash scripts/device_check.sh tests decode_graph           # ~8 min
 #   bash scripts/device_check.sh decode e2e seal               # ~8 min
 #   bash scripts/device_check.sh prof                          # ncu of the decode kernel
+#   bash scripts/device_check.sh walk decode_graph             # the page walk's floor, then the bench
 #   AB="side_stages=3 side_skip=False" bash scripts/device_check.sh ab   # kernel times, defaults vs AB's sets, alternating
 #   bash scripts/device_check.sh greedy                        # see the greedy stage below
 #   bash scripts/device_check.sh diag_greedy                   # where greedy parts between backends
@@ -36,6 +37,9 @@ TAIL=60 stage sweep 360 python3 scripts/diag_speed.py "$OUT/diag_speed.json"
 # "KEY=VALUE,KEY=VALUE" sets) in turn, two rounds (scripts/diag_parts.py --ab)
 # shellcheck disable=SC2086
 TAIL=80 stage ab 300 python3 scripts/diag_parts.py int4:4096:1 int4:131072:1 int4:524288:1 int4:32768:8 int8:131072:1 --ab ${AB:-side_stages=3}
+# walk: the decode kernel's page walk with no arithmetic, and with 1,280 FMAs a page (the floor
+# the decode targets are measured against, notes v17; scripts/diag_layout.py)
+TAIL=20 stage walk 120 python3 scripts/diag_layout.py 131072 524288 --stages 2 3 --per-step 1 --layouts split --spin 0 40
 TAIL=70 stage diag_seal 120 python3 scripts/diag_seal.py int4
 TAIL=40 stage diag_model 120 python3 scripts/diag_model.py
 # prof: Nsight Compute on the decode kernel (int4, 128k and 4k, batch 1): the details page
