@@ -84,7 +84,11 @@ def _walk(TABLE, KC, VC, KS, KZ, VS, VZ, OUT, pages_per, n_blocks, H: tl.constex
 
 
 def graph_time(fns, reps=20):
-    """Mean ms of one call, the calls of `fns` in turn inside one CUDA graph, replayed."""
+    """Mean ms of one call, the calls of `fns` in turn inside one CUDA graph, replayed back to
+    back. Not the bench's `_time_graph` (the median of single replays, each waited for): that
+    divides each replay's launch latency by the calls in the graph, two here, and read higher
+    (one H200 call with it: the walk 38.5 us at 128k, SDPA 131.8; four calls with this one:
+    36.3-36.9 and 124.6-127.3)."""
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -156,6 +160,12 @@ def main():
     ap.add_argument("--no-sdpa", action="store_true", help="leave out SDPA's time")
     ap.add_argument("--spin", nargs="*", type=int, default=[0], help="dependent FMAs on each K and V code word a page (0: none)")
     a = ap.parse_args()
+    if any(T < P or T % P for T in a.contexts):
+        ap.error(f"contexts must be positive multiples of the page size, {P} tokens: got {a.contexts}")
+    if not (a.stages and a.per_step and a.spin and a.layouts):
+        ap.error("--stages, --per-step, --spin and --layouts each need at least one value")
+    if a.splits < 1 or min(a.spin) < 0 or min(a.stages) < 1 or min(a.per_step) < 1:
+        ap.error("--splits, --stages and --per-step take positive counts, --spin counts from 0")
     for T in a.contexts:
         walk(T, a.bits, a.splits, [(s, p) for s in a.stages for p in a.per_step], a.layouts, a.spin)
         torch.cuda.empty_cache()
