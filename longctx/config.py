@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 ALLOWED_BITS = (16, 8, 4, 2)
 ALLOWED_DTYPES = ("auto", "bfloat16", "float16", "float32")
-ALLOWED_BACKENDS = ("auto", "reference", "triton", "flex")
+ALLOWED_BACKENDS = ("auto", "reference", "triton", "flex", "flash")
 DEFAULT_GROUP_SIZE = 64
 
 
@@ -43,9 +43,11 @@ class KVConfig:
                  never copied later; reaching it raises `CacheFullError`, which says how
                  many tokens still fit. `longctx plan --json` gives the value per format.
     backend:     attention backend: "reference" (torch), "triton" (fused kernels; prefill
-                 chunks stage the past, then SDPA), "flex" (FlexAttention over 16-bit pages
-                 only, for comparison), or "auto": triton on CUDA when it imports and the
-                 head_dim is a power of two, else reference.
+                 chunks read the pages in place or stage the past, then SDPA), "flex"
+                 (FlexAttention over 16-bit pages only, for comparison), "flash" (the past
+                 dequantized into bf16 pages in bounded slices, then flash-attn's paged
+                 kernel; needs flash-attn), or "auto": triton on CUDA when it imports and
+                 the head_dim is a power of two, else reference.
     """
 
     bits: int = 4

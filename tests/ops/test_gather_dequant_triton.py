@@ -62,3 +62,35 @@ def test_auto_is_reference_on_cpu_tensors():
     assert torch.equal(k[:, :, :-2], rk) and torch.equal(v[:, :, :-2], rv) and k.shape[2] == rk.shape[2] + 2
     with pytest.raises(ValueError, match="extra"):
         gather_dequant(cache.view(0), extra=-1)
+
+
+@pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-H{c[2]}-D{c[3]}-P{c[4]}-" + "-".join(f"{k}{v}" for k, v in c[5].items()))
+def test_triton_gather_pages_matches_reference(case, dtype):
+    """The flash backend's pages: the kernel writes token-major pages with each row shifted
+    past its left padding; the slots the rows hold must equal the reference's. Pages of P
+    tokens leave row 0 (no padding) no free slot, so a padding token written anywhere would
+    overwrite one of its tokens."""
+    from longctx.ops.gather_dequant import gather_dequant_pages
+
+    B, T, H, D, P, kw = case
+    cfg = KVConfig(block_size=P, **kw)
+    cache, _, _ = fill(cfg, B, T, 1, H, D, dtype=dtype, seed=T)
+    cache.seal()
+    view = cache.view(0)
+    n = view.block_table.shape[1]
+    start = torch.tensor([0, P + 3, 5][:B], dtype=torch.int32)
+    for blocks, page in ((range(n), 256), (range(1, n), 256), (range(n), P)):
+        ref = gather_dequant_pages(view, blocks, start, page, backend="reference")
+        got = gather_dequant_pages(_to(view, DEVICE), blocks, start.to(DEVICE), page, backend="triton")
+        assert torch.equal(got.seqlens.cpu(), ref.seqlens) and torch.equal(got.block_table.cpu(), ref.block_table)
+        assert got.k.shape == ref.k.shape and got.k.dtype == dtype
+        for b in range(B):
+            s = int(ref.seqlens[b])
+            assert s == len(blocks) * P - min(max(int(start[b]) - blocks.start * P, 0), len(blocks) * P)
+            for g, r in ((got.k, ref.k), (got.v, ref.v)):
+                rows_g = g[got.block_table[b].long()].flatten(0, 1)[:s].cpu()
+                rows_r = r[ref.block_table[b]].flatten(0, 1)[:s]
+                tol = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
+                err = ((rows_g.double() - rows_r.double()).abs() / rows_r.double().abs().clamp_min(1.0)).max().item() if s else 0.0
+                assert err <= tol, (b, err)

@@ -163,3 +163,119 @@ def test_flex_refuses_quantized_pages_and_storage_ops_still_work():
     cache, _, _ = fill(cfg, 1, 40, 1, 2, 64)  # sealing with backend="flex" takes the default storage path
     with pytest.raises(BackendUnavailableError, match="16-bit pages only"):
         paged_attention(torch.randn(1, 2, 1, 64), cache.view(0), backend="flex")
+
+
+# ---------------------------------------------------------------------- the flash backend
+# flash-attn cannot be installed where these tests run: the backend is checked through a
+# torch stand-in for flash_attn_with_kvcache's documented contract (longctx.testing), against
+# the fp64 oracle; tests/test_cuda.py runs the real kernel where flash-attn imports.
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    from longctx.ops.paged_attention import flash
+    from longctx.testing import flash_kvcache_standin
+
+    calls = []
+
+    def fn(*args, **kw):
+        calls.append(kw)
+        return flash_kvcache_standin(*args, **kw)
+
+    monkeypatch.setattr(flash, "_kvcache_fn", lambda: fn)
+    return calls
+
+
+@pytest.mark.parametrize("stage", ["one-slice", "block-slices"])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_flash_matches_fp64(case, stage, standin):
+    from longctx.ops.paged_attention.flash import paged_attention_flash
+
+    B, T, C, Hq, Hkv, D, P, kw, pad = case
+    cfg = KVConfig(block_size=P, **kw)
+    cache, k, v = fill(cfg, B, T, C, Hkv, D)
+    view = cache.view(0)
+    q = torch.randn(B, Hq, C, D, generator=torch.Generator().manual_seed(7)).half()
+    start = torch.tensor([min(8 * b, T - 1) for b in range(B)], dtype=torch.int32) if pad else None
+    out, lse = paged_attention_flash(q, view, start, None, stage_bytes=None if stage == "one-slice" else 1)
+    n = view.block_table.shape[1]
+    slices = sum(c.get("block_table") is not None for c in standin)
+    assert slices == (min(n, 1) if stage == "one-slice" else n) and len(standin) == slices + 1
+    # flash-attn reads fp16 pages: the oracle reads the same fp16 keys and values
+    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T - C)
+    ref_out, ref_lse = attention_fp64(q, k_exp.half(), v_exp.half(), start)
+    assert out.dtype == torch.float16
+    assert_close_fp64(out, ref_out, atol=1e-3, rtol=1e-3, what="out")  # fp16 output: one rounding
+    assert_close_fp64(lse, ref_lse, atol=2e-5, rtol=1e-5, what="lse")
+
+
+def test_flash_drops_left_padding_across_slices(standin):
+    """Row 1's first 40 tokens are padding: with one block per slice its first two slices hold
+    nothing, and its queries before position 40 see no key at all (zero output, -inf LSE)."""
+    from longctx.ops.paged_attention.flash import paged_attention_flash
+
+    cfg = KVConfig(bits=4, block_size=16)
+    cache, k, v = fill(cfg, 2, 48, 10, 2, 64)  # queries at 38..47
+    q = torch.randn(2, 4, 10, 64, generator=torch.Generator().manual_seed(2)).half()
+    start = torch.tensor([0, 40], dtype=torch.int32)
+    out, lse = paged_attention_flash(q, cache.view(0), start, None, stage_bytes=1)
+    seqlens = [c["cache_seqlens"].tolist() for c in standin if c.get("block_table") is not None]
+    assert seqlens == [[16, 0], [16, 0]]  # 38 tokens: 2 sealed blocks, then the tail
+    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=38)
+    ref_out, ref_lse = attention_fp64(q, k_exp.half(), v_exp.half(), start)
+    assert (out[1, :, :2] == 0).all() and torch.isneginf(lse[1, :, :2]).all()
+    assert_close_fp64(out, ref_out, atol=1e-3, rtol=1e-3, what="out")
+    assert_close_fp64(lse, ref_lse, atol=2e-5, rtol=1e-5, what="lse")
+
+
+def test_flash_unavailable_and_unsupported_inputs_say_why(standin):
+    import importlib.util
+
+    from longctx.ops.paged_attention.flash import paged_attention_flash
+
+    cfg = KVConfig(bits=4, block_size=16, backend="flash")
+    cache, _, _ = fill(cfg, 1, 40, 1, 2, 64)  # sealing with backend="flash" takes the default storage path
+    q = torch.randn(1, 2, 1, 64)
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(BackendUnavailableError, match=r"needs flash-attn >= 2.6: pip install 'longctx\[flash\]'"):
+            paged_attention(q.half(), cache.view(0), backend="flash")
+    else:
+        with pytest.raises(BackendUnavailableError, match="runs on CUDA tensors"):
+            paged_attention(q.half(), cache.view(0), backend="flash")
+    with pytest.raises(BackendUnavailableError, match="fp16/bf16 queries"):
+        paged_attention_flash(q, cache.view(0), None, None)
+    with pytest.raises(BackendUnavailableError, match="multiple of 8 and at most 256"):
+        paged_attention_flash(torch.randn(1, 2, 1, 12).half(), _short_view(12), None, None)
+
+
+def _short_view(D):
+    cache, _, _ = fill(KVConfig(bits=8, block_size=16), 1, 20, 1, 1, D)
+    return cache.view(0)
+
+
+def test_gather_pages_is_the_rows_tokens_from_start():
+    """gather_dequant_pages against the dense gather: each row's tokens of the block range from
+    start[b] on, packed from slot 0, in 256-token pages through the block table."""
+    from longctx.ops.gather_dequant import gather_dequant_pages
+
+    cfg = KVConfig(bits=4, block_size=16, rotate=True)
+    cache, _, _ = fill(cfg, 3, 700, 1, 2, 64)
+    cache.seal()
+    view = cache.view(0)
+    dk, dv = gather_dequant(view)  # [B, H, n*16, D]
+    start = torch.tensor([0, 37, 300], dtype=torch.int32)
+    for blocks in (range(43), range(2, 20), range(20, 20)):
+        p = gather_dequant_pages(view, blocks, start)
+        first, tokens = blocks.start * 16, len(blocks) * 16
+        m = max(1, -(-tokens // 256))
+        assert p.k.shape == (3 * m, 256, 2, 64) and p.block_table.tolist() == [[b * m + i for i in range(m)] for b in range(3)]
+        for b in range(3):
+            s = min(max(int(start[b]) - first, 0), tokens)
+            assert int(p.seqlens[b]) == tokens - s
+            got_k = p.k[p.block_table[b].long()].flatten(0, 1)[: tokens - s].transpose(0, 1)
+            got_v = p.v[p.block_table[b].long()].flatten(0, 1)[: tokens - s].transpose(0, 1)
+            assert torch.equal(got_k, dk[b, :, first + s : first + tokens]) and torch.equal(got_v, dv[b, :, first + s : first + tokens])
+    with pytest.raises(ValueError, match="step-1 range within 0..43"):
+        gather_dequant_pages(view, range(44))
+    with pytest.raises(ValueError, match=r"start must be \[B=3\]"):
+        gather_dequant_pages(view, start=torch.zeros(2, dtype=torch.int32))

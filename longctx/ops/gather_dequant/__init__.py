@@ -1,3 +1,3 @@
-from .api import gather_dequant
+from .api import FlashPages, gather_dequant, gather_dequant_pages
 
-__all__ = ["gather_dequant"]
+__all__ = ["FlashPages", "gather_dequant", "gather_dequant_pages"]

@@ -5,7 +5,10 @@ conversion instructions (the bit trick of the decode kernel), are scaled in fp32
 in the output's dtype; rotated pages are rotated back in the kernel by an fp32 dot with the
 Hadamard matrix, one sub-tile of channels at a time (rows r, r+PER, ... of H), so packed
 channels are never interleaved in registers. The output may be a slice of a larger staging
-buffer (prefill writes the past and then the tail into one buffer).
+buffer (prefill writes the past and then the tail into one buffer), or a permuted view of one
+laid out token-major ([B, T, H, D], as flash-attn's pages are). With a shift per row, row b's
+token t lands at position t - shift[b] and tokens t < shift[b] are not written (the `flash`
+backend drops left padding this way).
 
 Never imports the reference; tests/ops/test_gather_dequant.py compares the two.
 """
@@ -27,19 +30,20 @@ def _code_f32(x, r: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, out_rows,
+def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, out_rows, keep,
           H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
           PER_TOKEN: tl.constexpr, ROTATE: tl.constexpr):
-    """One side (K or V) of one block: copy a sink or 16-bit page, or dequantize codes."""
+    """One side (K or V) of one block: copy a sink or 16-bit page, or dequantize codes. keep:
+    [P, 1] mask of the rows to store, or None (all)."""
     offs_d = tl.arange(0, D)
     bh = blk * H + h
     # (each branch names its own values: the compiler wants one type per name across a branch)
     if is_sink:
         xs = tl.load(SINK + bh * P * D + offs_p[:, None] * D + offs_d[None, :])
-        tl.store(OUT + out_rows + offs_d[None, :], xs.to(OUT.dtype.element_ty))
+        tl.store(OUT + out_rows + offs_d[None, :], xs.to(OUT.dtype.element_ty), mask=keep)
     elif BITS == 16:
         xd = tl.load(DENSE + bh * P * D + offs_p[:, None] * D + offs_d[None, :])
-        tl.store(OUT + out_rows + offs_d[None, :], xd.to(OUT.dtype.element_ty))
+        tl.store(OUT + out_rows + offs_d[None, :], xd.to(OUT.dtype.element_ty), mask=keep)
     else:
         PER: tl.constexpr = 8 // BITS if BITS < 8 else 1
         DS: tl.constexpr = D // PER
@@ -58,32 +62,40 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
                 hm = tl.load(HMAT + chan[:, None] * D + offs_d[None, :])
                 acc += tl.dot(val, hm, input_precision="ieee")
             else:
-                tl.store(OUT + out_rows + chan[None, :], val.to(OUT.dtype.element_ty))
+                tl.store(OUT + out_rows + chan[None, :], val.to(OUT.dtype.element_ty), mask=keep)
         if ROTATE:
-            tl.store(OUT + out_rows + offs_d[None, :], acc.to(OUT.dtype.element_ty))
+            tl.store(OUT + out_rows + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=keep)
 
 
 @triton.jit(do_not_specialize=["stride_tb", "s_ob", "s_oh", "n_sink"])  # they change per call
-def _gather_kernel(TABLE, SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, HMAT, OK, OV,
+def _gather_kernel(TABLE, SHIFT, SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, HMAT, OK, OV,
                    stride_tb, s_ob, s_oh, s_ot, n_sink,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                   GS: tl.constexpr, ROTATE: tl.constexpr):
+                   GS: tl.constexpr, ROTATE: tl.constexpr, HAS_SHIFT: tl.constexpr):
     pid = tl.program_id(0)
     j = tl.program_id(1)
     b = pid // H
     h = pid % H
     blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
     offs_p = tl.arange(0, P)
-    rows = b * s_ob + h * s_oh + (j * P + offs_p)[:, None] * s_ot
+    t = j * P + offs_p  # the row's token within the gathered blocks
+    if HAS_SHIFT:
+        shift = tl.load(SHIFT + b)
+        keep = (t >= shift)[:, None]
+        t = t - shift
+    else:
+        keep = None
+    rows = b * s_ob + h * s_oh + t[:, None] * s_ot
     is_sink = j < n_sink
-    _side(SINK_K, KD, KC, KS, KZ, HMAT, OK, blk, h, is_sink, offs_p, rows, H, D, P, K_BITS, GS, False, ROTATE)
-    _side(SINK_V, VD, VC, VS, VZ, HMAT, OV, blk, h, is_sink, offs_p, rows, H, D, P, V_BITS, GS, True, ROTATE)
+    _side(SINK_K, KD, KC, KS, KZ, HMAT, OK, blk, h, is_sink, offs_p, rows, keep, H, D, P, K_BITS, GS, False, ROTATE)
+    _side(SINK_V, VD, VC, VS, VZ, HMAT, OV, blk, h, is_sink, offs_p, rows, keep, H, D, P, V_BITS, GS, True, ROTATE)
 
 
-def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Tensor, shift: torch.Tensor | None = None) -> None:
     """Write the sealed past of `view` into out_k/out_v [B, H, >= n_blocks*P, D] (positions
     0 .. n_blocks*P-1; the rest is left alone). out_k and out_v must share strides and have
-    a unit stride along D."""
+    a unit stride along D. shift: int32 [B] in 0 .. n_blocks*P, or None (zeros): row b's token
+    t goes to position t - shift[b], and its tokens t < shift[b] are skipped."""
     fmt = view.pages.fmt
     table = view.block_table
     B, n = table.shape
@@ -94,10 +106,12 @@ def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Ten
         raise ValueError(f"gather_dequant_triton: out {tuple(out_k.shape)} cannot hold [B={B}, H={H}, {n * P}, D={D}]")
     if out_k.stride() != out_v.stride() or out_k.stride(-1) != 1:
         raise ValueError("gather_dequant_triton: out_k/out_v must share strides, unit stride along D")
+    if shift is not None and (shift.shape != (B,) or shift.dtype != torch.int32 or shift.device != table.device):
+        raise ValueError(f"gather_dequant_triton: shift must be int32 [B={B}] on {table.device}, got {shift.dtype} {tuple(shift.shape)} on {shift.device}")
     KD, VD, KC, KS, KZ, VC, VS, VZ = kernel_pools(view, "gather_dequant_triton")
     hmat = hadamard(D, torch.float32, table.device) if fmt.rotate else view.sink_k  # (unread without rotation)
     _gather_kernel[(B * H, n)](
-        table, view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, hmat, out_k, out_v,
+        table, shift if shift is not None else table, view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, hmat, out_k, out_v,
         table.stride(0), out_k.stride(0), out_k.stride(1), out_k.stride(2), min(view.n_sink, n),
-        H=H, D=D, P=P, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate, num_warps=4,
+        H=H, D=D, P=P, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate, HAS_SHIFT=shift is not None, num_warps=4,
     )

@@ -77,6 +77,10 @@ def paged_attention(
             from .flex import paged_attention_flex
 
             return paged_attention_flex(q, view, start, scale, return_lse)
+        case "flash":
+            from .flash import paged_attention_flash
+
+            return paged_attention_flash(q, view, start, scale, return_lse)
 
 
 def dense_attention(

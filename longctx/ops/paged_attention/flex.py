@@ -22,7 +22,7 @@ import torch
 
 from ...errors import BackendUnavailableError
 from ..pages import PagedView
-from .reference import attention_reference
+from .reference import attention_reference, merge_partials
 
 Q_BLOCK = 128
 
@@ -74,18 +74,6 @@ def _pool_attention(q, pool_k, pool_v, ids, first_logical: int, start, scale, G:
     return out.float(), lse.float()
 
 
-def _merge(parts):
-    """Log-sum-exp merge of partial (out, lse); rows that saw nothing stay zero with -inf."""
-    lses = torch.stack([lse for _, lse in parts])
-    mx = lses.amax(0)
-    safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    w = torch.exp(lses - safe)
-    denom = w.sum(0)
-    out = sum(o * (wi / torch.where(denom > 0, denom, torch.ones_like(denom)))[..., None] for (o, _), wi in zip(parts, w))
-    lse = torch.where(denom > 0, safe + torch.log(torch.where(denom > 0, denom, torch.ones_like(denom))), torch.full_like(denom, float("-inf")))
-    return out, lse
-
-
 def paged_attention_flex(q, view: PagedView, start, scale, return_lse: bool = True):
     fmt = view.pages.fmt
     if fmt.k_bits != 16 or fmt.v_bits != 16:
@@ -109,5 +97,5 @@ def paged_attention_flex(q, view: PagedView, start, scale, return_lse: bool = Tr
     tail_start = None if start is None else (start.long() - past).clamp_min(0)
     t_out, t_lse = attention_reference(q, view.tail_k, view.tail_v, tail_start, scale, return_lse=True)
     parts.append((t_out.float(), t_lse.float()))
-    out, lse = _merge(parts)
+    out, lse = merge_partials(parts)
     return out.to(q.dtype), (lse if return_lse else None)

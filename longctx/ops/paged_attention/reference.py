@@ -50,3 +50,18 @@ def attention_reference(q, k, v, start, scale, return_lse: bool = True):
     out = torch.cat(outs, dim=3).reshape(B, Hq, C, D).to(q.dtype)
     lse = torch.cat(lses, dim=3).reshape(B, Hq, C) if return_lse else None
     return out, lse
+
+
+def merge_partials(parts):
+    """Log-sum-exp merge of partial attentions [(out [B, H, C, D], lse [B, H, C])] over
+    disjoint key sets, in fp32. A part's rows with a -inf LSE saw no key and weigh nothing
+    (their output is ignored, NaN included); rows no part saw stay zero with a -inf LSE."""
+    lses = torch.stack([lse.float() for _, lse in parts])
+    mx = lses.amax(0)
+    safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    w = torch.exp(lses - safe)
+    denom = w.sum(0)
+    norm = torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = sum(torch.where(wi[..., None] > 0, o.float() * (wi / norm)[..., None], 0.0) for (o, _), wi in zip(parts, w))
+    lse = torch.where(denom > 0, safe + torch.log(norm), torch.full_like(denom, float("-inf")))
+    return out, lse
