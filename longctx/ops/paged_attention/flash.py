@@ -59,13 +59,14 @@ def paged_attention_flash(q, view: PagedView, start, scale, return_lse: bool = T
     qt = q.transpose(1, 2)  # flash-attn's [B, C, H_q, D]
     n = view.block_table.shape[1]
     per = slice_blocks(view, q.element_size(), STAGE_BYTES if stage_bytes is None else stage_bytes)
-    parts = []
+    acc = None  # the slices so far, merged as they come (memory stays one slice's, however many)
     for j0 in range(0, n, per):
         pages = gather_dequant_pages(view, range(j0, min(n, j0 + per)), start, PAGE, q.dtype)
         out, lse = fn(qt, pages.k, pages.v, cache_seqlens=pages.seqlens, block_table=pages.block_table,
                       softmax_scale=scale, causal=False, return_softmax_lse=True)
         seen = (pages.seqlens > 0)[:, None, None].expand(B, Hq, C)  # rows whose slice is all padding saw nothing
-        parts.append(_part(out, lse, seen))
+        acc = _merged(acc, _part(out, lse, seen))
+        del pages
     # the tail: row b's tokens from start[b] on, the queries its last C (bottom-right causal)
     L = view.tail_k.shape[2]
     tail_k, tail_v = view.tail_k.transpose(1, 2), view.tail_v.transpose(1, 2)  # [B, L, H, D]
@@ -80,12 +81,15 @@ def paged_attention_flash(q, view: PagedView, start, scale, return_lse: bool = T
     out, lse = fn(qt, tail_k.to(q.dtype), tail_v.to(q.dtype), cache_seqlens=seqlens, softmax_scale=scale, causal=True, return_softmax_lse=True)
     # query i sees tail keys up to its own position: none when it is left padding itself
     seen = (torch.arange(C, device=q.device)[None, :] + seqlens[:, None] - C >= 0)[:, None, :].expand(B, Hq, C)
-    parts.append(_part(out, lse, seen))
-    out, lse = merge_partials(parts)
+    out, lse = _merged(acc, _part(out, lse, seen))
     return out.to(q.dtype), (lse if return_lse else None)
 
 
+def _merged(acc, part):
+    return part if acc is None else merge_partials([acc, part])
+
+
 def _part(out, lse, seen):
-    """flash-attn's (out [B, C, H_q, D], lse [B, H_q, C]) as a partial [B, H_q, C, D], with the
-    LSE of rows that saw no key set to -inf (flash-attn leaves it unspecified)."""
-    return out.transpose(1, 2), torch.where(seen, lse.float(), float("-inf"))
+    """flash-attn's (out [B, C, H_q, D], lse [B, H_q, C]) as a partial [B, H_q, C, D]; rows
+    that saw no key get a zero output and a -inf LSE (flash-attn leaves the LSE unspecified)."""
+    return torch.where(seen[..., None], out.transpose(1, 2), 0.0), torch.where(seen, lse.float(), float("-inf"))
