@@ -1,5 +1,6 @@
 """The command line: help, info, and one-line errors with exit code 2."""
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -33,6 +34,8 @@ def test_info_json_reports_versions_and_backends():
 def test_info_table():
     r = runner.invoke(app, ["info"])
     assert r.exit_code == 0 and "Attention backends" in r.output and "reference" in r.output
+    if importlib.util.find_spec("flash_attn") is None:  # the install hint survives rich's markup
+        assert "longctx[flash]" in r.output, r.output
 
 
 def one_line_error(r, args):

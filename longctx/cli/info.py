@@ -6,6 +6,7 @@ import json
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -40,5 +41,5 @@ def info(as_json: bool = typer.Option(False, "--json", help="print JSON instead 
     for col in ("backend", "here", "KV bits", "notes"):
         m.add_column(col)
     for s in matrix:
-        m.add_row(s.backend, "[green]yes[/]" if s.available else "[red]no[/]", ",".join(map(str, s.formats)) or "-", s.why)
+        m.add_row(s.backend, "[green]yes[/]" if s.available else "[red]no[/]", ",".join(map(str, s.formats)) or "-", escape(s.why))  # (notes quote extras: [flash])
     console.print(m)
