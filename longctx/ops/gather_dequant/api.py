@@ -104,7 +104,7 @@ def gather_dequant_pages(
                 from .reference import gather_dequant_reference
 
                 k, v = gather_dequant_reference(part, dtype)  # [B, H, tokens, D]
-                for b in range(B):  # (a row's copy: the reference is for tests and the CPU)
+                for b in range(B):  # (a copy a row: the reference serves tests, the CPU and head_dims the kernel does not take)
                     s = int(shift[b])
                     buf_k[b, : tokens - s] = k[b, :, s:].transpose(0, 1)
                     buf_v[b, : tokens - s] = v[b, :, s:].transpose(0, 1)
