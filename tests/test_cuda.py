@@ -158,8 +158,9 @@ def test_flash_backend_with_flash_attn(bits):
     assert (out.float() - ref.float()).abs().max() < 2e-2 and (lse - ref_lse).abs().max() < 1e-2
 
 
+@pytest.mark.parametrize("P", [16, 64])
 @pytest.mark.parametrize("C", [1, 12])
-def test_flex_backend_on_gpu_matches_reference(C):
+def test_flex_backend_on_gpu_matches_reference(C, P):
     """FlexAttention over 16-bit pages on the GPU (compiled there, eager on the CPU tests):
     decode and a prefill chunk, a left-padded row, sinks, against the reference backend."""
     pytest.importorskip("torch.nn.attention.flex_attention")
@@ -168,7 +169,7 @@ def test_flex_backend_on_gpu_matches_reference(C):
     from longctx.testing import random_kv
 
     k, v = random_kv(2, 2, 700, 64, dtype=torch.bfloat16, seed=C)
-    cache = PagedKVCache(KVConfig(bits=16, block_size=16), num_layers=1, num_kv_heads=2, head_dim=64)
+    cache = PagedKVCache(KVConfig(bits=16, block_size=P), num_layers=1, num_kv_heads=2, head_dim=64)
     cache.append(0, k[:, :, : 700 - C].cuda(), v[:, :, : 700 - C].cuda())
     cache.append(0, k[:, :, 700 - C :].cuda(), v[:, :, 700 - C :].cuda())
     q = torch.randn(2, 8, C, 64, device="cuda", dtype=torch.bfloat16)

@@ -64,13 +64,16 @@ def _pool_attention(q, pool_k, pool_v, ids, first_logical: int, start, scale, G:
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         fn = _flex_fn(dev.type)
         args = (q, k1.to(q.dtype), v1.to(q.dtype))
+        # the compiled kernel walks KV_BLOCK_N keys at a time, which must divide a page: its
+        # default (64 or more) does not divide 16- or 32-token pages (a lowering error on CUDA)
+        opts = {"kernel_options": {"BLOCK_N": min(P, 64)}} if dev.type == "cuda" else {}
         try:  # torch >= 2.9 asks for the LSE through AuxRequest; older releases through return_lse
             from torch.nn.attention.flex_attention import AuxRequest
 
-            out, aux = fn(*args, block_mask=bm, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
+            out, aux = fn(*args, block_mask=bm, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True), **opts)
             lse = aux.lse
         except ImportError:
-            out, lse = fn(*args, block_mask=bm, scale=scale, enable_gqa=True, return_lse=True)
+            out, lse = fn(*args, block_mask=bm, scale=scale, enable_gqa=True, return_lse=True, **opts)
     return out.float(), lse.float()
 
 
