@@ -279,3 +279,18 @@ def test_gather_pages_is_the_rows_tokens_from_start():
         gather_dequant_pages(view, range(44))
     with pytest.raises(ValueError, match=r"start must be \[B=3\]"):
         gather_dequant_pages(view, start=torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("P", [16, 64, 256])
+def test_flash_slices_stay_within_the_staging_bound(P):
+    """A slice's staging pages (K and V of every row, padded to whole 256-token pages) fit
+    the bound whenever one page does; below that a slice is one block."""
+    from longctx.ops.paged_attention.flash import PAGE, slice_blocks
+
+    cache, _, _ = fill(KVConfig(bits=4, block_size=P), 2, 40, 1, 2, 64)
+    per_token = 2 * 2 * 64 * 2 * 2  # rows x heads x D x bf16 x (K, V)
+    for stage in (1, per_token * PAGE - 1, per_token * PAGE, 5 * per_token * PAGE + 7, 256 << 20):
+        n = slice_blocks(cache.view(0), 2, stage)
+        staged = -(-n * P // PAGE) * PAGE * per_token
+        assert n >= 1 and (staged <= stage or (n == 1 and stage < per_token * max(P, PAGE))), (stage, n)
+        assert stage < per_token * max(P, PAGE) or staged > stage - per_token * max(P, PAGE)  # and no page of room left unused

@@ -40,11 +40,12 @@ def _kvcache_fn():
 
 
 def slice_blocks(view: PagedView, itemsize: int, stage_bytes: int) -> int:
-    """Logical blocks per slice of the past: as many as fit `stage_bytes` of staged K and V
-    for every row (at least one)."""
+    """Logical blocks per slice of the past: whole staging pages of every row that fit
+    `stage_bytes` of K and V (a slice is padded to whole pages), at least one block."""
     fmt = view.pages.fmt
     per_token = view.block_table.shape[0] * fmt.num_kv_heads * fmt.head_dim * itemsize * 2
-    return max(1, stage_bytes // (per_token * fmt.block_size))
+    unit = max(PAGE, fmt.block_size)  # tokens of whole pages and whole blocks (powers of two)
+    return max(1, stage_bytes // per_token // unit * unit // fmt.block_size)
 
 
 def paged_attention_flash(q, view: PagedView, start, scale, return_lse: bool = True, stage_bytes: int | None = None):
