@@ -277,6 +277,8 @@ def test_gather_pages_is_the_rows_tokens_from_start():
             assert torch.equal(got_k, dk[b, :, first + s : first + tokens]) and torch.equal(got_v, dv[b, :, first + s : first + tokens])
     with pytest.raises(ValueError, match="step-1 range within 0..43"):
         gather_dequant_pages(view, range(44))
+    with pytest.raises(ValueError, match=r"step-1 range within 0..43, got \[0, 1\]"):
+        gather_dequant_pages(view, [0, 1])
     with pytest.raises(ValueError, match=r"start must be \[B=3\]"):
         gather_dequant_pages(view, start=torch.zeros(2, dtype=torch.int32))
 

@@ -80,7 +80,7 @@ def gather_dequant_pages(
     "reference"."""
     n = view.block_table.shape[1]
     blocks = range(n) if blocks is None else blocks
-    if blocks.step != 1 or not 0 <= blocks.start <= blocks.stop <= n:
+    if not isinstance(blocks, range) or blocks.step != 1 or not 0 <= blocks.start <= blocks.stop <= n:
         raise ValueError(f"gather_dequant_pages: blocks must be a step-1 range within 0..{n}, got {blocks}")
     if page_size < 1:
         raise ValueError(f"gather_dequant_pages: page_size must be >= 1, got {page_size}")
