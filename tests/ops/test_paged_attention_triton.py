@@ -53,12 +53,20 @@ def dtypes():
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_triton_decode_within_budget(case, dtype):
+    _within_budget(case, dtype)
+
+
+def _within_budget(case, dtype, starts=None):
+    """The decode kernel's error against fp64 within twice the reference backend's (or the
+    dtype's floor); left padding of 4b + 1 tokens in row b where the case pads, or `starts`."""
     B, T, Hq, Hkv, D, P, kw, pad, sp = case
     cfg = KVConfig(block_size=P, **kw)
     cache, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=dtype, seed=T)
     view = _to(cache.view(0), DEVICE)
     q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(T + 1)).to(dtype)
     start = torch.tensor([min(4 * b + 1, T - 1) for b in range(B)], dtype=torch.int32) if pad else None
+    if starts is not None:
+        start = torch.tensor(starts, dtype=torch.int32)
     qd = q.to(DEVICE)
     sd = start.to(DEVICE) if start is not None else None
     out, lse = paged_decode_triton(qd, view, sd, D**-0.5, splits=sp)
@@ -164,6 +172,18 @@ def test_side_by_side_pages_within_budget(case, side, k16, vt, dtype, monkeypatc
     assert K.LAST["side"] == side and K.LAST["k16"] == (k16 if half else 0) and K.LAST["svt"] == (vt and half)
 
 
+@pytest.mark.parametrize("side", [1, 2])
+@pytest.mark.parametrize("kw", [dict(bits=4), dict(bits=8, sink_blocks=0)], ids=["int4", "int8-nosink"])
+@pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
+def test_side_by_side_masks_padding_in_sealed_pages(side, kw, dtype, monkeypatch):
+    """Left padding past the sink block, so that sealed pages hold padding tokens (the grid's
+    padding of a few tokens stays in the sink block): whole padded pages and one cut in the
+    middle, in programs of several pages; a row without padding beside it."""
+    monkeypatch.setitem(TUNE, "side", side)
+    _within_budget((2, 300, 8, 2, 64, 16, kw, True, 3), dtype, starts=[0, 83])
+    assert K.LAST["side"] == side
+
+
 @pytest.mark.parametrize("apart", [False, True], ids=lambda v: f"apart{int(v)}")
 @pytest.mark.parametrize("case", SIDE_CASES, ids=[case_id(c) for c in SIDE_CASES])
 @pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
@@ -237,6 +257,21 @@ def test_side_zdot_default_takes_the_dot_for_4_bit_values_only():
     for case, v_bits in [(SIDE_CASES[1], 4), (SIDE8_CASES[0], 8), (SIDE8_CASES[1], 4)]:
         test_triton_decode_within_budget(case, torch.float16)
         assert K.LAST["svt"] and K.LAST["zdot"] == (v_bits <= TUNE["side_zdot"]), case_id(case)
+
+
+def test_side_unmasked_rule(monkeypatch):
+    """TUNE["side_unmasked"] (4): one page a step with no left padding leaves out the score
+    masking for 4-bit pages (measured faster there, slower at int8: TUNE's notes); padding, two
+    pages a step, wider pages or the option at 0 keep it. Each run also meets the grid's budget."""
+    int4, pad4, int8 = SIDE_CASES[1], SIDE_CASES[0], SIDE8_CASES[0]
+    assert not int4[7] and pad4[7] and not int8[7] and int4[6]["bits"] == 4 and int8[6]["bits"] == 8
+    for case, tune, masked in [(int4, {}, False), (pad4, {}, True), (int8, {}, True), (int4, {"side": 2}, True),
+                               (int4, {"side_unmasked": 0}, True), (int8, {"side_unmasked": 8}, False)]:
+        with monkeypatch.context() as m:
+            for key, value in tune.items():
+                m.setitem(TUNE, key, value)
+            test_triton_decode_within_budget(case, torch.float16)
+            assert K.LAST["side"] == tune.get("side", 1) and K.LAST["mask"] == masked, (case_id(case), tune)
 
 
 @pytest.mark.parametrize("side, dense", [(1, 16), (2, 32), (4, 16)], ids=lambda v: str(v))
@@ -370,7 +405,7 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"merge_cols": 24}, {"merge_cols": 8}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

@@ -47,7 +47,7 @@ def _decode_kernel(
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
-    ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False,
+    ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -67,12 +67,6 @@ def _decode_kernel(
     offs_k = tl.arange(0, DK)
     offs_v = tl.arange(0, DV)
     gmask = offs_g < G
-    qbase = b * stride_qb + h * G * stride_qh
-    q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, qbase, offs_g, gmask, stride_qh, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT)
-    start = 0
-    if HAS_START:
-        start = tl.load(START + b)
-
     total = n_blocks + tl.cdiv(tail_len, P)
     lo = split * blocks_per_split
     hi = tl.minimum(lo + blocks_per_split, total)
@@ -84,6 +78,18 @@ def _decode_kernel(
         j1 = tl.where(alone, n_blocks, tl.minimum(j0 + blocks_per_split, n_blocks))
         lo = tl.where(alone, 0, j0)
         hi = tl.where(alone, total, j0)
+    # side by side: the first step's block ids, loaded before the query so that the two
+    # loads' latencies overlap (loaded after it, the ids waited for the query's first use,
+    # and the first pages for the ids). Ids past j1 repeat a valid one (the table has a column).
+    trow = TABLE + b * stride_tb
+    ids = j0
+    if WP > 0:
+        ids = tl.load(trow + tl.maximum(tl.minimum(j0 + tl.arange(0, WP), j1 - 1), 0))
+    qbase = b * stride_qb + h * G * stride_qh
+    q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, qbase, offs_g, gmask, stride_qh, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT)
+    start = 0
+    if HAS_START:
+        start = tl.load(START + b)
 
     # 1. + 3. unquantized, unrotated blocks: sink pages, then the tail after the table; with
     # SKIP only in the programs that have some (the loops' pipelined prologues cost every
@@ -91,15 +97,15 @@ def _decode_kernel(
     m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _zero_state(G_PAD, DV)
     if not SKIP or (lo < n_sink) | (hi > n_blocks):
         m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _unquantized(
-            TABLE + b * stride_tb, SINK_K, SINK_V, TAIL_K + b * s_tk_b + h * s_tk_h, TAIL_V + b * s_tk_b + h * s_tk_h, s_tk_p,
+            trow, SINK_K, SINK_V, TAIL_K + b * s_tk_b + h * s_tk_h, TAIL_V + b * s_tk_b + h * s_tk_h, s_tk_p,
             h, lo, hi, n_blocks, n_sink, tail_len, start, q, offs_d, offs_v, H, G_PAD, D, P, DV, PV, DOT, PREC, DENSE)
 
     # 2. sealed pages: WP side by side a step (a warp each), or PAGES a step across the warps
     if WP > 0:
         m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _sealed_side(
-            KC, KS, KZ, VC, VS, VZ, TABLE + b * stride_tb, h, j0, j1, start,
+            KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start,
             qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
-            H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP, SVT, ZDOT)
+            H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP, SVT, ZDOT, MASK)
     else:  # PAGES of them per iteration (more loads in flight per program): K scores per
         # page (_page_scores) joined into one [G_PAD, PAGES*P] tile whose token t is page
         # t % PAGES, row t // PAGES; V rows are loaded in that order.
@@ -107,7 +113,6 @@ def _decode_kernel(
         offs_t = tl.arange(0, T)
         n_t = offs_t % PAGES
         i_t = offs_t // PAGES
-        trow = TABLE + b * stride_tb
         # block ids a step ahead (loop-carried): the pipeliner then issues a step's page loads
         # without first waiting for its table loads
         n0, n1, n2, n3 = _step_ids(trow, j0, j1, PAGES)
@@ -251,16 +256,18 @@ def _dense_block_t(kbase, vbase, sp, valid, pos, start, qt, m_i, l_i, e0, e1, e2
 
 
 @triton.jit
-def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, qp3,
+def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start, qp0, qp1, qp2, qp3,
                  m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
                  H: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr,
                  V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                  K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr, ASM: tl.constexpr, PK: tl.constexpr,
-                 PV: tl.constexpr, WP: tl.constexpr, SVT: tl.constexpr, ZDOT: tl.constexpr):
-    """The sealed (quantized) blocks j0 .. j1 - 1 of a row's table (trow), WP pages side by
-    side a step (triton_tiles' _side_*): each keeps its own online softmax over the pages it
-    sees, and the WP states fold into the program's (m_i, l_i, accumulators) at the end; with
-    ROTATE the sealed pages' share goes to the rotated accumulators r0..r3."""
+                 PV: tl.constexpr, WP: tl.constexpr, SVT: tl.constexpr, ZDOT: tl.constexpr, MASK: tl.constexpr):
+    """The sealed (quantized) blocks j0 .. j1 - 1 of a row's table (trow; ids [WP]: the block
+    ids of the first step), WP pages side by side a step (triton_tiles' _side_*): each keeps its
+    own online softmax over the pages it sees, and the WP states fold into the program's (m_i,
+    l_i, accumulators) at the end; with ROTATE the sealed pages' share goes to the rotated
+    accumulators r0..r3. MASK False (the launcher's rule, TUNE["side_unmasked"]: one page a
+    step and no left padding, where no score is masked) leaves out the masking."""
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
@@ -286,14 +293,14 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, h, j0, j1, start, qp0, qp1, qp2, 
     last = j1 - 1
     # block ids a step ahead (loop-carried), as in the 2-D loop; ids past j1 repeat a valid
     # one (the table has at least one column) and their scores are masked
-    ids = tl.load(trow + tl.maximum(tl.minimum(j0 + offs_w, last), 0))
     for j in range(j0, j1, WP):
         bh = ids.to(tl.int64) * H + h
         ids = tl.load(trow + tl.maximum(tl.minimum(j + WP + offs_w, last), 0))
         s = _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k, D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
-        page = j + offs_w
-        keep = (page < j1)[:, None] & (page[:, None] * P + offs_p[None, :] >= start)
-        s = tl.where(keep[:, None, :], s, float("-inf"))
+        if MASK:
+            page = j + offs_w
+            keep = (page < j1)[:, None] & (page[:, None] * P + offs_p[None, :] >= start)
+            s = tl.where(keep[:, None, :], s, float("-inf"))
         mw, lw, p, alpha = _softmax_step(s, mw, lw)
         if SVT:
             x0, x1, x2, x3, z_acc = _side_values_folded(VC, VS, VZ, bh, tl.permute(p, (0, 2, 1)), x0, x1, x2, x3, z_acc, alpha,
@@ -504,6 +511,10 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # against 46.6, 46.6 us; 512k 161.8, 161.6 against 162.1, 162.2; batch 8 at 32k 85.1, 85.5
 # against 85.6, 85.6; int8 128k 73.9, 74.0 against 75.7, 75.8; but int4 4k 7.5, 7.6 against
 # 6.9, 6.9 (programs of two pages: side_short), so it applies only where programs get more.
+# side_unmasked: one page a step with no left padding masks no score, so the side loop leaves
+# the masking out (sixteen FSELs and the compare a page) where both sides have at most this
+# many bits (0: never). H200, decode kernel alone, three rounds of four trees (notes v19): int4
+# 128k 44.9-45.0 against 45.3-45.5 us; int8 128k slower, 74.4-74.8 against 72.6-73.0.
 # side_stages 3 (the sinks and tail loops kept at two, 18.7 KB of shared memory a program;
 # int8 pages take 34.5 KB, 6 programs an SM), same runs (v16): int4 128k 46.4, 46.6 against
 # 45.4, 45.3 us; 512k 155.2, 155.0 against 157.9, 158.2; batch 8 at 32k 83.4, 83.4 against
@@ -516,7 +527,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # loop skewed (a step scoring the next pages while it accumulates its own values): slower
 # everywhere, int4 128k 48.4 against 45.9 us.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -637,7 +648,7 @@ def _side(fmt, short: bool) -> int:
     most 64 tokens and TUNE["side_bits"] bits on both sides, TUNE["side"] of them, or
     TUNE["side_short"] where a program gets at most two pages (short contexts)."""
     for name, ok in (("side", (0, 1, 2, 4, 8)), ("side_short", (0, 1, 2, 4, 8)), ("side_k16", (0, 1, 3)), ("side_bits", (4, 8)),
-                     ("side_dense", (16, 32)), ("side_zdot", (0, 4, 8))):
+                     ("side_dense", (16, 32)), ("side_zdot", (0, 4, 8)), ("side_unmasked", (0, 4, 8))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
     for name in ("side_vt", "side_apart", "side_skip"):
@@ -769,6 +780,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     svt = bool(side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32)
     consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and fmt.v_bits <= TUNE["side_zdot"],
                   SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
+                  MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -808,7 +820,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         if warmup:
             return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, **consts)
         LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt,
-                    zdot=consts["ZDOT"], apart=apart, skip=consts["SKIP"], short=short)
+                    zdot=consts["ZDOT"], apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"])
         return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:
