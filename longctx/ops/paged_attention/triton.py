@@ -80,11 +80,11 @@ def _decode_kernel(
         hi = tl.where(alone, total, j0)
     # side by side: the first step's block ids, loaded before the query so that the two
     # loads' latencies overlap (loaded after it, the ids waited for the query's first use,
-    # and the first pages for the ids). Ids past j1 repeat a valid one (the table has a column).
+    # and the first pages for the ids)
     trow = TABLE + b * stride_tb
     ids = j0
     if WP > 0:
-        ids = tl.load(trow + tl.maximum(tl.minimum(j0 + tl.arange(0, WP), j1 - 1), 0))
+        ids = _side_ids(trow, j0, j1, WP)
     qbase = b * stride_qb + h * G * stride_qh
     q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, qbase, offs_g, gmask, stride_qh, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT)
     start = 0
@@ -256,6 +256,14 @@ def _dense_block_t(kbase, vbase, sp, valid, pos, start, qt, m_i, l_i, e0, e1, e2
 
 
 @triton.jit
+def _side_ids(trow, j, j1, WP: tl.constexpr):
+    """Block ids [WP] of the side-by-side step at logical block j of a split whose sealed
+    blocks end at j1: ids at or past j1 repeat a valid one (the table has at least one
+    column), whose scores are masked."""
+    return tl.load(trow + tl.maximum(tl.minimum(j + tl.arange(0, WP), j1 - 1), 0))
+
+
+@triton.jit
 def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start, qp0, qp1, qp2, qp3,
                  m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
                  H: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr,
@@ -290,12 +298,10 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start, qp0, qp1, 
     w1 = w0
     w2 = w0
     w3 = w0
-    last = j1 - 1
-    # block ids a step ahead (loop-carried), as in the 2-D loop; ids past j1 repeat a valid
-    # one (the table has at least one column) and their scores are masked
+    # block ids a step ahead (loop-carried), as in the 2-D loop
     for j in range(j0, j1, WP):
         bh = ids.to(tl.int64) * H + h
-        ids = tl.load(trow + tl.maximum(tl.minimum(j + WP + offs_w, last), 0))
+        ids = _side_ids(trow, j + WP, j1, WP)
         s = _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k, D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
         if MASK:
             page = j + offs_w
