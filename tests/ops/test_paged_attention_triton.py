@@ -405,7 +405,38 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}])
+@pytest.mark.parametrize("tree, splits", [(2, 7), (3, 7), (4, 8), (8, 7), (2, 2)], ids=lambda x: str(x))
+def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
+    """TUNE["merge_tree"]: the splits merge in groups of `tree` (the last group smaller where
+    they do not divide), then the groups; one group writes the output at once. Against the
+    reference and the fp64 oracle (one row left-padded past its first splits, whose partials
+    see no key), as the grid holds the flat merge; the counters end at zero, and a second
+    call gives the same bits."""
+    from longctx.ops.paged_attention import triton as kernel
+
+    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": "kernel", "merge_tree": tree, "merge_tree_from": 0})
+    B, T, Hq, Hkv, D, P = 2, 16 * 55 + 1, 8, 2, 64, 16  # 56 logical blocks: `splits` splits of whole blocks
+    cfg = KVConfig(bits=4, block_size=P, sink_blocks=0)
+    cache, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=torch.float16, seed=11)
+    view = _to(cache.view(0), DEVICE)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(12)).half()
+    start = torch.tensor([0, 300], dtype=torch.int32)  # row 1: its first two splits see no key
+    out, lse = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=splits)
+    assert K.LAST["grid"] == (B * Hkv, splits) and K.LAST["tree"] == tree
+    assert (kernel._COUNTERS[q.to(DEVICE).device] == 0).all()
+    again, lse2 = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=splits)
+    assert torch.equal(out, again) and torch.equal(lse, lse2)
+    ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
+    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T - 1)
+    exact_out, exact_lse = attention_fp64(q, k_exp, v_exp, start)
+    err = (out.cpu().double() - exact_out).abs().max().item()
+    err_ref = (ref_out.double() - exact_out).abs().max().item()
+    assert err <= max(2 * err_ref, FLOOR[torch.float16]), (err, err_ref)
+    err_lse = (lse.cpu().double() - exact_lse).abs().max().item()
+    assert err_lse <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[torch.float16]), err_lse
+
+
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel
@@ -495,6 +526,17 @@ def test_merge_launch_column_blocks_under_graphs(cols, monkeypatch):
     for v, o in zip(vs, got[0]):
         ref, _ = paged_attention(q, v, backend="reference")
         assert (o.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+
+
+def test_merge_tree_rule(monkeypatch):
+    """_merge_tree: groups of TUNE["merge_tree"] splits from TUNE["merge_tree_from"] splits on
+    (fewer: the last split merges all); 0 turns the groups off."""
+    from longctx.ops.paged_attention import triton as kernel
+
+    for tree, start, splits, want in [(16, 64, 128, 16), (16, 64, 64, 16), (16, 64, 63, 0), (16, 64, 32, 0), (8, 0, 2, 8), (0, 0, 256, 0)]:
+        monkeypatch.setitem(kernel.TUNE, "merge_tree", tree)
+        monkeypatch.setitem(kernel.TUNE, "merge_tree_from", start)
+        assert kernel._merge_tree(splits) == want, (tree, start, splits)
 
 
 def test_merge_column_blocks_fill_idle_sms(monkeypatch):

@@ -3,8 +3,10 @@
 One program per (row, KV head, split): it loads the G query heads of its KV head once, walks
 its share of the row's logical blocks (sink pages, sealed quantized pages, then the
 unquantized tail), dequantizes codes in registers and keeps an online softmax. Splits are
-merged by log-sum-exp inside the same launch (the last split of each head to finish does it).
-No bf16 copy of the cache is ever written.
+merged by log-sum-exp: in eager calls inside the same launch (the last split of each head to
+finish does it, or with many splits the last of each group of splits, then the last group's),
+under CUDA graph capture in a second launch (faster there, `TUNE["merge"]`). No bf16 copy of
+the cache is ever written.
 
 With rotation the sealed pages hold K·H and V·H: their scores use the rotated query, and
 their share of the output is accumulated apart and rotated back once, after the merge.
@@ -47,7 +49,7 @@ def _decode_kernel(
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
-    ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True,
+    ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -145,13 +147,37 @@ def _decode_kernel(
 
     _finish(O, OR, LSE, (b * H * G + h * G + offs_g) * n_splits + split, gmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE)
     if MERGE:
-        # The last split of this (row, KV head) to finish merges all of them (no second
-        # launch). COUNT[pid] counts finished splits; the merger sets it back to 0.
+        # The splits of this (row, KV head) merge in the launch, no second one: TREE == 0, the
+        # last split to finish merges all of them; TREE > 0, in two levels, the last to finish
+        # of each group of TREE splits merges its group (over the group's first partial), the
+        # last group merger the groups. COUNT counts finished splits (a counter per row and KV
+        # head, and with TREE one per group plus one for the groups); mergers set theirs back to 0.
+        row0 = b * H * G + h * G
         tl.debug_barrier()  # every thread's partial is written before the release
-        done = tl.atomic_add(COUNT + pid, 1, sem="acq_rel")
-        if done == n_splits - 1:
-            _merge_splits(O, LSE, OUT, LOUT, b * H * G + h * G, n_splits, G, GM, SB, D)
-            tl.atomic_xchg(COUNT + pid, 0)
+        if TREE == 0:
+            done = tl.atomic_add(COUNT + pid, 1, sem="acq_rel")
+            if done == n_splits - 1:
+                o, lse = _merge_range(O, LSE, row0, n_splits, 0, n_splits, 1, G, GM, SB, D)
+                _store_rows(OUT, LOUT, row0, 1, 0, o, lse, G, GM, D)
+                tl.atomic_xchg(COUNT + pid, 0)
+        else:
+            n_groups = tl.cdiv(n_splits, TREE)
+            g0 = split - split % TREE
+            counters = COUNT + pid * (n_groups + 1)
+            done = tl.atomic_add(counters + split // TREE, 1, sem="acq_rel")
+            if done == tl.minimum(n_splits - g0, TREE) - 1:
+                o, lse = _merge_range(O, LSE, row0, n_splits, g0, tl.minimum(n_splits - g0, TREE), 1, G, GM, SB, D)
+                tl.atomic_xchg(counters + split // TREE, 0)
+                if n_groups == 1:
+                    _store_rows(OUT, LOUT, row0, 1, 0, o, lse, G, GM, D)
+                else:
+                    _store_rows(O, LSE, row0, n_splits, g0, o, lse, G, GM, D)
+                    tl.debug_barrier()
+                    done = tl.atomic_add(counters + n_groups, 1, sem="acq_rel")
+                    if done == n_groups - 1:
+                        o, lse = _merge_range(O, LSE, row0, n_splits, 0, n_groups, TREE, G, GM, SB, D)
+                        _store_rows(OUT, LOUT, row0, 1, 0, o, lse, G, GM, D)
+                        tl.atomic_xchg(counters + n_groups, 0)
 
 
 @triton.jit
@@ -358,10 +384,12 @@ def _lse_step(lse, o, m, den, acc):
 
 
 @triton.jit
-def _merge_splits(O, LSE, OUT, LOUT, row0, n_splits, G: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr, D: tl.constexpr):
-    """out = sum_s exp(lse_s - lse) o_s over the splits of query rows row0 .. row0 + G - 1, SB
-    splits at a time (online, like the softmax); partials are read past L1 (.cg): other
-    programs wrote them."""
+def _merge_range(O, LSE, row0, n_splits, s0, count, stride, G: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr, D: tl.constexpr):
+    """The log-sum-exp merge of `count` partials of query rows row0 .. row0 + G - 1, those of
+    splits s0, s0 + stride, ... (of n_splits a row in O [rows, n_splits, D] and LSE [rows,
+    n_splits]), SB at a time (online, like the softmax): (out [GM, D], lse [GM]), itself a
+    partial (normalized, with its natural-log LSE; -inf and 0 where no split saw a key).
+    Partials are read past L1 (.cg): other programs wrote them."""
     offs_g = tl.arange(0, GM)
     offs_d = tl.arange(0, D)
     rows = row0 + offs_g
@@ -369,17 +397,29 @@ def _merge_splits(O, LSE, OUT, LOUT, row0, n_splits, G: tl.constexpr, GM: tl.con
     m = tl.full((GM,), float("-inf"), tl.float32)
     den = tl.zeros((GM,), tl.float32)
     acc = tl.zeros((GM, D), tl.float32)
-    for s0 in range(0, n_splits, SB):
-        offs_s = s0 + tl.arange(0, SB)
-        ms = gm[:, None] & (offs_s < n_splits)[None, :]
+    for i0 in range(0, count, SB):
+        offs_i = i0 + tl.arange(0, SB)
+        offs_s = s0 + offs_i * stride
+        ms = gm[:, None] & (offs_i < count)[None, :]
         lse = tl.load(LSE + rows[:, None] * n_splits + offs_s[None, :], mask=ms, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(O + (rows[:, None, None] * n_splits + offs_s[None, :, None]) * D + offs_d[None, None, :],
                     mask=ms[:, :, None], other=0.0, cache_modifier=".cg")
         m, _, den, acc = _lse_step(lse, o, m, den, acc)
     ok = den > 0
     out = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
-    tl.store(OUT + rows[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=gm[:, None])
-    tl.store(LOUT + rows, tl.where(ok, m + tl.log(tl.where(ok, den, 1.0)), float("-inf")), mask=gm)
+    return out, tl.where(ok, m + tl.log(tl.where(ok, den, 1.0)), float("-inf"))
+
+
+@triton.jit
+def _store_rows(O, LSE, row0, n, s, out, lse, G: tl.constexpr, GM: tl.constexpr, D: tl.constexpr):
+    """Rows row0 .. row0 + G - 1 of out [GM, D] and lse [GM] at slot s of n a row: O [rows,
+    n, D] (in its dtype), LSE [rows, n]."""
+    offs_g = tl.arange(0, GM)
+    rows = row0 + offs_g
+    gm = offs_g < G
+    offs_d = tl.arange(0, D)
+    tl.store(O + (rows[:, None] * n + s) * D + offs_d[None, :], out.to(O.dtype.element_ty), mask=gm[:, None])
+    tl.store(LSE + rows * n + s, lse, mask=gm)
 
 
 @triton.jit(do_not_specialize=["S", "s_o_b", "s_o_h", "s_o_s", "s_l_b", "s_l_h"])
@@ -533,7 +573,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # loop skewed (a step scoring the next pages while it accumulates its own values): slower
 # everywhere, int4 128k 48.4 against 45.9 us.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -623,7 +663,24 @@ def _merge_in_kernel(option: str, capturing: bool) -> bool:
     c = TUNE["merge_cols"]
     if isinstance(c, bool) or not isinstance(c, int) or c < 0 or (c and (c & (c - 1) or c < 16)):
         raise ValueError(f"TUNE['merge_cols'] must be 0 (all columns) or a power of two of at least 16, got {c!r}")
+    c = TUNE["merge_tree"]
+    if isinstance(c, bool) or not isinstance(c, int) or c < 0 or c == 1:
+        raise ValueError(f"TUNE['merge_tree'] must be 0 (the last split merges all) or a group size of at least 2, got {c!r}")
+    c = TUNE["merge_tree_from"]
+    if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+        raise ValueError(f"TUNE['merge_tree_from'] must be a split count (an int >= 0), got {c!r}")
     return option == "kernel" or (option == "auto" and not capturing)
+
+
+def _merge_tree(splits: int) -> int:
+    """Splits a group of the in-kernel merge (0: the last split merges them all, in steps of
+    8): TUNE["merge_tree"] from TUNE["merge_tree_from"] splits on. H200, int4 at 128k (128
+    splits), decode kernel with the in-kernel merge: all at once 56.9-57.0 us, groups of 8
+    51.7-51.8, of 16 50.9-51.0 (512k: 176.5-177.0, 169.8-170.1, 167.5-167.6; int8 128k:
+    84.2-84.3, 78.1-78.3, 78.0-78.2); at 32 splits (int4 4k) groups are slower, 10.47 us all at
+    once against 10.64 (groups of 8) and 11.45 (16), notes v20."""
+    g = TUNE["merge_tree"]
+    return g if g and splits >= TUNE["merge_tree_from"] else 0
 
 
 def _merge_cols(D: int, heads: int, sm: int) -> int:
@@ -810,6 +867,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
             splits = max(1, math.ceil(total / bps))
         merged = splits == 1 and not fmt.rotate  # one split: the kernel writes the final output
         merge = merge_in_kernel(splits)
+        tree = _merge_tree(splits) if merge else 0
         o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
         o_r = torch.empty_like(o) if fmt.rotate else o
         lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
@@ -817,16 +875,16 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         if splits > 1 and not fmt.rotate:
             out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
             lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
-            count = _counters(q.device, B * H) if merge else table
+            count = _counters(q.device, B * H * (1 + (-(-splits // tree) if tree else 0))) if merge else table
         args = (q2, qr, table, start if start is not None else table,
                 view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
                 o, o_r, lse, out, lout, count,
                 q2.stride(0), q2.stride(1), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
                 n_blocks, n_sink, tail_len, bps, scale, splits, int(apart))
         if warmup:
-            return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, **consts)
-        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt,
-                    zdot=consts["ZDOT"], apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"])
+            return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, TREE=tree, **consts)
+        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, TREE=tree, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt,
+                    zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"])
         return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:
