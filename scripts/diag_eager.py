@@ -12,11 +12,10 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from longctx import KVConfig
 from longctx.bench import _copies, _time, synthetic_view, view_bytes
 from longctx.ops.paged_attention import paged_attention
 from longctx.ops.paged_attention import triton as K
-from scripts.diag_parts import BITS, overrides
+from scripts.diag_parts import config, overrides
 
 Hq, H, D = 32, 8, 128
 
@@ -33,7 +32,7 @@ def main():
     for c in a.cases:
         fmt, T, B = c.split(":")
         T, B = int(T), int(B)
-        cfg = KVConfig(bits=BITS[fmt], block_size=64)
+        cfg = config(fmt)
         one = synthetic_view(B, T, H, D, cfg, "cuda")
         L = _copies(view_bytes(one))
         views = [one] + [synthetic_view(B, T, H, D, cfg, "cuda", seed=i) for i in range(1, L)]

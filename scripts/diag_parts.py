@@ -4,6 +4,7 @@ graph timing. The gap between the sum of the kernels and the call is launch late
 SMs between the kernels, which no kernel change removes.
 
 Usage (GPU machine, repo root): python3 scripts/diag_parts.py [FORMAT:CONTEXT:BATCH ...] [--tune KEY=VALUE ...]
+  FORMAT: int4, int8 or bf16, optionally /gN for V groups of N channels (int8/g128)
   e.g. python3 scripts/diag_parts.py int4:4096:1 int4:131072:1 int4:524288:1 --tune side_dense=16
 --ordered: each row's table walks the pool in order (the bench's views place the blocks at
 shuffled slots): how much the kernel's time depends on where the pages lie in DRAM.
@@ -34,9 +35,16 @@ Hq, D = 32, 128
 BITS = {"int4": 4, "int8": 8, "bf16": 16}
 
 
+def config(fmt: str) -> KVConfig:
+    """A case's format: int4, int8 or bf16, optionally /gN for V groups of N channels
+    (e.g. int8/g128; the default otherwise)."""
+    name, _, g = fmt.partition("/g")
+    return KVConfig(bits=BITS[name], block_size=64, group_size=int(g) if g else None)
+
+
 def parts(fmt: str, T: int, B: int, copies: int = 4, reps: int = 20, ordered: bool = False, bare: bool = False, splits: int | None = None,
           vs=None):
-    vs = vs or views(B, T, KVConfig(bits=BITS[fmt], block_size=64), n=copies)
+    vs = vs or views(B, T, config(fmt), n=copies)
     if bare:  # the sink block read as a sealed page (its pool slot holds one), one tail token
         vs = [dataclasses.replace(v, n_sink=0, tail_k=v.tail_k[:, :, :1], tail_v=v.tail_v[:, :, :1]) for v in vs]
     if ordered:  # row b's sealed block j at pool slot b * n + j (the sink columns keep theirs)
@@ -112,7 +120,7 @@ def main():
     for c in a.cases:
         fmt, T, B = c.split(":")
         if a.ab:
-            vs = views(int(B), int(T), KVConfig(bits=BITS[fmt], block_size=64), n=4)
+            vs = views(int(B), int(T), config(fmt), n=4)
             for r in range(a.rounds):
                 for o in sets:
                     K.TUNE.clear()

@@ -50,6 +50,12 @@ def test_resolve_checks_model_dependent_fields():
     assert KVConfig().resolve(4, 64).group_size == 64
     assert KVConfig().resolve(4, 32).group_size == 32
     assert KVConfig().resolve(4, 96).group_size == 48
+    assert KVConfig().resolve(4, 128).group_size == 64
+    # 8-bit values: whole heads up to 128 channels (keys' bits do not matter: groups are V's)
+    for cfg in (KVConfig(bits=8), KVConfig(bits=4, v_bits=8)):
+        assert [cfg.resolve(4, d).group_size for d in (64, 96, 128, 256)] == [64, 96, 128, 128]
+    assert KVConfig(bits=8, v_bits=4).resolve(4, 128).group_size == 64
+    assert KVConfig(bits=8, group_size=32).resolve(4, 128).group_size == 32
     with pytest.raises(ValueError, match="group_size=48.*head_dim=64"):
         KVConfig(group_size=48).resolve(4, 64)
     with pytest.raises(ValueError, match="rotate.*power-of-two head_dim.*96"):

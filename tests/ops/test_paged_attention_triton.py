@@ -37,6 +37,7 @@ CASES = [
     (1, 150, 4, 2, 128, 16, dict(bits=4, group_size=32), False, 2),
     (1, 150, 4, 2, 128, 16, dict(bits=4, group_size=16), False, 2),  # 8 V groups a token: no word type, 2-byte loads
     (1, 100, 4, 2, 64, 16, dict(bits=4, k_bits=16), False, 2),
+    (1, 150, 4, 2, 128, 16, dict(bits=8), True, 2),  # 8-bit V: one group of 128 channels a token (the default)
 ]
 
 
@@ -197,7 +198,7 @@ def test_side_apart_within_budget(case, apart, dtype, monkeypatch):
 
 
 # int8 pages (and mixed int8 K, int4 V), which go side by side with TUNE["side_bits"] 8
-SIDE8_CASES = [_long(CASES[2], 1), _long(CASES[6], 2), _long(CASES[9], 2)]
+SIDE8_CASES = [_long(CASES[2], 1), _long(CASES[6], 2), _long(CASES[9], 2), CASES[13]]
 
 
 @pytest.mark.parametrize("vt", [False, True], ids=lambda v: f"vt{int(v)}")
