@@ -54,7 +54,8 @@ def _decode_kernel(
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
     n_splits, D] and LSE [B, H*G, n_splits]; with MERGE also the merged OUT [B, H*G, D] and
-    LOUT [B, H*G] (COUNT: int32 zeros per row and KV head, left at zero). K16/V16: quantized
+    LOUT [B, H*G] (COUNT: int32 zeros, one per row and KV head, or with TREE
+    cdiv(n_splits, TREE) + 1 of them; left at zero). K16/V16: quantized
     K/V go through fp16 dots (DOT is 16-bit), else through DOT with fp32 dequantization."""
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
@@ -673,8 +674,8 @@ def _merge_in_kernel(option: str, capturing: bool) -> bool:
 
 
 def _merge_tree(splits: int) -> int:
-    """Splits a group of the in-kernel merge (0: the last split merges them all, in steps of
-    8): TUNE["merge_tree"] from TUNE["merge_tree_from"] splits on. H200, int4 at 128k (128
+    """Splits a group of the in-kernel merge (0: the last split merges them all, SB a step:
+    8 at Llama-3's shape): TUNE["merge_tree"] from TUNE["merge_tree_from"] splits on. H200, int4 at 128k (128
     splits), decode kernel with the in-kernel merge: all at once 56.9-57.0 us, groups of 8
     51.7-51.8, of 16 50.9-51.0 (512k: 176.5-177.0, 169.8-170.1, 167.5-167.6; int8 128k:
     84.2-84.3, 78.1-78.3, 78.0-78.2); at 32 splits (int4 4k) groups are slower, 10.47 us all at
