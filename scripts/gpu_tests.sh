@@ -10,11 +10,15 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=${N:-4}
 ids=$OUT/test_ids.txt
-python3 -m pytest -q -p no:cacheprovider --collect-only ${K:+-k "$K"} "$@" 2>/dev/null | grep "::" > "$ids"
+python3 -m pytest -q -p no:cacheprovider --collect-only ${K:+-k "$K"} "$@" > "$OUT/collect.log" 2>&1
+grep "::" "$OUT/collect.log" > "$ids"
 echo "$(wc -l < "$ids") tests in $N shards"
+if [ ! -s "$ids" ]; then  # (an empty shard would run pytest on the whole tests folder)
+  echo "no tests collected:"; tail -15 "$OUT/collect.log"; exit 1
+fi
 for i in $(seq 0 $((N - 1))); do
   awk -v n="$N" -v i="$i" 'NR % n == i' "$ids" > "$OUT/shard$i.txt"
-  (tr '\n' '\0' < "$OUT/shard$i.txt" | xargs -0 python3 -m pytest -q -p no:cacheprovider -rf > "$OUT/shard$i.log" 2>&1) &
+  (tr '\n' '\0' < "$OUT/shard$i.txt" | xargs -0 -r python3 -m pytest -q -p no:cacheprovider -rf > "$OUT/shard$i.log" 2>&1) &
 done
 wait
 for i in $(seq 0 $((N - 1))); do
