@@ -163,12 +163,14 @@ def _decode_kernel(
                 tl.atomic_xchg(COUNT + pid, 0)
         else:
             n_groups = tl.cdiv(n_splits, TREE)
-            g0 = split - split % TREE
+            grp = split // TREE
+            g0 = grp * TREE
+            size = tl.minimum(n_splits - g0, TREE)  # the last group may be smaller
             counters = COUNT + pid * (n_groups + 1)
-            done = tl.atomic_add(counters + split // TREE, 1, sem="acq_rel")
-            if done == tl.minimum(n_splits - g0, TREE) - 1:
-                o, lse = _merge_range(O, LSE, row0, n_splits, g0, tl.minimum(n_splits - g0, TREE), 1, G, GM, SB, D)
-                tl.atomic_xchg(counters + split // TREE, 0)
+            done = tl.atomic_add(counters + grp, 1, sem="acq_rel")
+            if done == size - 1:
+                o, lse = _merge_range(O, LSE, row0, n_splits, g0, size, 1, G, GM, SB, D)
+                tl.atomic_xchg(counters + grp, 0)
                 if n_groups == 1:
                     _store_rows(OUT, LOUT, row0, 1, 0, o, lse, G, GM, D)
                 else:
@@ -674,12 +676,12 @@ def _merge_in_kernel(option: str, capturing: bool) -> bool:
 
 
 def _merge_tree(splits: int) -> int:
-    """Splits a group of the in-kernel merge (0: the last split merges them all, SB a step:
-    8 at Llama-3's shape): TUNE["merge_tree"] from TUNE["merge_tree_from"] splits on. H200, int4 at 128k (128
-    splits), decode kernel with the in-kernel merge: all at once 56.9-57.0 us, groups of 8
-    51.7-51.8, of 16 50.9-51.0 (512k: 176.5-177.0, 169.8-170.1, 167.5-167.6; int8 128k:
-    84.2-84.3, 78.1-78.3, 78.0-78.2); at 32 splits (int4 4k) groups are slower, 10.47 us all at
-    once against 10.64 (groups of 8) and 11.45 (16), notes v20."""
+    """Splits a group of the in-kernel merge (0: the last split merges them all, SB a step,
+    8 at Llama-3's shape): TUNE["merge_tree"] from TUNE["merge_tree_from"] splits on. H200,
+    int4 at 128k (128 splits), decode kernel with the in-kernel merge: all at once 56.9-57.0
+    us, groups of 8 51.7-51.8, of 16 50.9-51.0 (512k: 176.5-177.0, 169.8-170.1, 167.5-167.6;
+    int8 128k: 84.2-84.3, 78.1-78.3, 78.0-78.2); at 32 splits (int4 4k) groups are slower,
+    10.47 us all at once against 10.64 (groups of 8) and 11.45 (16), notes v20."""
     g = TUNE["merge_tree"]
     return g if g and splits >= TUNE["merge_tree_from"] else 0
 
@@ -876,7 +878,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         if splits > 1 and not fmt.rotate:
             out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
             lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
-            count = _counters(q.device, B * H * (1 + (-(-splits // tree) if tree else 0))) if merge else table
+            per_head = math.ceil(splits / tree) + 1 if tree else 1  # a counter per group, and one for the groups
+            count = _counters(q.device, B * H * per_head) if merge else table
         args = (q2, qr, table, start if start is not None else table,
                 view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
                 o, o_r, lse, out, lout, count,
