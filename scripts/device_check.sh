@@ -6,6 +6,7 @@
 #   bash scripts/device_check.sh prof                          # ncu of the decode kernel
 #   bash scripts/device_check.sh walk decode_graph             # the page walk's floor, then the bench
 #   AB="side_stages=3 side_skip=False" bash scripts/device_check.sh ab   # kernel times, defaults vs AB's sets, alternating
+#   bash scripts/device_check.sh timeline                      # each decode program's start, page walk and end
 #   bash scripts/device_check.sh greedy                        # see the greedy stage below
 #   bash scripts/device_check.sh diag_greedy                   # where greedy parts between backends
 #   GREEDY_K=teacher bash scripts/device_check.sh greedy       # only the teacher-forced tests
@@ -40,6 +41,8 @@ TAIL=80 stage ab 300 python3 scripts/diag_parts.py int4:4096:1 int4:131072:1 int
 # walk: the decode kernel's page walk with no arithmetic, and with 1,280 FMAs a page (the floor
 # the decode targets are measured against, notes v17; scripts/diag_layout.py)
 TAIL=20 stage walk 120 python3 scripts/diag_layout.py 131072 524288 --stages 2 3 --per-step 1 --layouts split --spin 0 40
+# timeline: when each decode program starts, walks its pages and ends (the kernel's STAMPS hook)
+TAIL=60 stage timeline 200 python3 scripts/diag_timeline.py --save "$OUT/timeline.pt"
 TAIL=70 stage diag_seal 120 python3 scripts/diag_seal.py int4
 TAIL=40 stage diag_model 120 python3 scripts/diag_model.py
 # prof: Nsight Compute on the decode kernel (int4, 128k and 4k, batch 1): the details page

@@ -50,7 +50,7 @@ def compile_decode(a):
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
                  PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
-                 SKIP=bool(a.skip), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
+                 SKIP=bool(a.skip), STAMPS=None, TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
     if a.merge_splits:  # the merge launch's kernel instead (_merge_kernel)
         fn = K._merge_kernel
         names = list(inspect.signature(fn.fn).parameters)

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer, smid
 
 from ...errors import BackendUnavailableError
 from ...quant import hadamard
@@ -50,18 +51,25 @@ def _decode_kernel(
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
     ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
+    STAMPS=None,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
     n_splits, D] and LSE [B, H*G, n_splits]; with MERGE also the merged OUT [B, H*G, D] and
     LOUT [B, H*G] (COUNT: int32 zeros, one per row and KV head, or with TREE
     cdiv(n_splits, TREE) + 1 of them; left at zero). K16/V16: quantized
-    K/V go through fp16 dots (DOT is 16-bit), else through DOT with fp32 dequantization."""
+    K/V go through fp16 dots (DOT is 16-bit), else through DOT with fp32 dequantization.
+    STAMPS (diagnostics only, `STAMP` below; None compiles none of it): int64 [programs, 8]
+    of %globaltimer readings at the program's entry, before and after its sealed pages and
+    at its end, its SM and its sealed pages."""
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
     pid = tl.program_id(0)
     split = tl.program_id(1)
+    if STAMPS is not None:
+        stamp = STAMPS + (pid * n_splits + split) * 8
+        tl.store(stamp, globaltimer())
     b = pid // H
     h = pid % H
     offs_g = tl.arange(0, G_PAD)
@@ -104,6 +112,8 @@ def _decode_kernel(
             h, lo, hi, n_blocks, n_sink, tail_len, start, q, offs_d, offs_v, H, G_PAD, D, P, DV, PV, DOT, PREC, DENSE)
 
     # 2. sealed pages: WP side by side a step (a warp each), or PAGES a step across the warps
+    if STAMPS is not None:
+        tl.store(stamp + 1, globaltimer())
     if WP > 0:
         m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _sealed_side(
             KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start,
@@ -146,7 +156,13 @@ def _decode_kernel(
             pv, v0, v1, v2, v3 = _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
             a0, a1, a2, a3, r0, r1, r2, r3 = _acc_sealed(a0, a1, a2, a3, r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC, ROTATE)
 
+    if STAMPS is not None:
+        tl.store(stamp + 2, globaltimer())
     _finish(O, OR, LSE, (b * H * G + h * G + offs_g) * n_splits + split, gmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE)
+    if STAMPS is not None:
+        tl.store(stamp + 3, globaltimer())
+        tl.store(stamp + 4, smid().to(tl.int64))
+        tl.store(stamp + 5, tl.maximum(j1 - j0, 0).to(tl.int64))
     if MERGE:
         # The splits of this (row, KV head) merge in the launch, no second one: TREE == 0, the
         # last split to finish merges all of them; TREE > 0, in two levels, the last to finish
@@ -588,6 +604,7 @@ TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnre
 # 203 for 16,384; 64 rows and 8 warps 12.7 / 49.9 / 396; 64 rows and 4 warps 6.59 / 26.2 / 216;
 # three stages or 16-bit dequantization (k16=3, v16) slower; staging 7.62 / 19.1 / 101.
 # 128 rows and 8 warps take 255 registers: one program per SM (prefill_programs).
+STAMP: torch.Tensor | None = None  # diagnostics: int64 [>= programs * 8] for the kernel's STAMPS (scripts/diag_timeline.py)
 LAST: dict = {}  # the last decode kernel launched (compiled: registers, spills; its grid)
 
 
@@ -887,7 +904,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
                 n_blocks, n_sink, tail_len, bps, scale, splits, int(apart))
         if warmup:
             return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, TREE=tree, **consts)
-        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, TREE=tree, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt,
+        stamps = {} if STAMP is None else dict(STAMPS=STAMP)
+        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, TREE=tree, **stamps, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt,
                     zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"])
         return splits, merged, merge, o, o_r, lse, out, lout
 
