@@ -437,60 +437,7 @@ def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
     assert err_lse <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[torch.float16]), err_lse
 
 
-@pytest.mark.parametrize("merge, tree, pool, chunk, pad", [("launch", 0, 12, 1, True), ("launch", 0, 50, 4, False), ("kernel", 0, 30, 2, True),
-                                                      ("kernel", 2, 12, 1, True), ("kernel", 0, 25, 1, False), ("launch", 0, 0, 1, True)],
-                         ids=lambda x: str(x))
-def test_pool_deals_chunks_to_free_splits(merge, tree, pool, chunk, pad, monkeypatch):
-    """TUNE["side_pool"]: each split walks its own sealed pages, then takes chunks of the rest
-    from a counter per row and KV head until none is left (the first split also takes the
-    sinks, the last the tail); the merge, in the launch or in the kernel (flat, or in groups),
-    sets the counter back to zero. Against the reference and the fp64 oracle, with a row
-    left-padded past whole pages (the pool's pages masked) or no padding at all (no masking);
-    a second call gives the same bits. Pool 0: the splits' shares as before."""
-    from longctx.ops.paged_attention import triton as kernel
-
-    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": merge, "merge_tree": tree, "merge_tree_from": 0, "side_pool": pool,
-                                         "side_chunk": chunk})
-    B, T, Hq, Hkv, D, P, splits = 2, 16 * 43 + 5, 8, 2, 64, 16, 5  # 43 sealed blocks after the sink block, a 5-token tail
-    cfg = KVConfig(bits=4, block_size=P)
-    cache, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=torch.float16, seed=13)
-    view = _to(cache.view(0), DEVICE)
-    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(14)).half()
-    start = torch.tensor([0, 16 * 40 + 3], dtype=torch.int32) if pad else None  # row 1: only the last pages and the tail
-    sd = start.to(DEVICE) if pad else None
-    out, lse = paged_decode_triton(q.to(DEVICE), view, sd, D**-0.5, splits=splits)
-    sealed = T // P - 1
-    own = (sealed - sealed * pool // 100) // splits
-    assert K.LAST["grid"] == (B * Hkv, splits) and K.LAST["pool"] == ((own, chunk) if pool else None) and K.LAST["tree"] == tree
-    assert (kernel._COUNTERS[q.to(DEVICE).device] == 0).all()
-    again, lse2 = paged_decode_triton(q.to(DEVICE), view, sd, D**-0.5, splits=splits)
-    assert torch.equal(out, again) and torch.equal(lse, lse2)
-    ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
-    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T - 1)
-    exact_out, exact_lse = attention_fp64(q, k_exp, v_exp, start)
-    err = (out.cpu().double() - exact_out).abs().max().item()
-    err_ref = (ref_out.double() - exact_out).abs().max().item()
-    assert err <= max(2 * err_ref, FLOOR[torch.float16]), (err, err_ref)
-    err_lse = (lse.cpu().double() - exact_lse).abs().max().item()
-    assert err_lse <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[torch.float16]), err_lse
-
-
-def test_pool_rule(monkeypatch):
-    """Each split keeps (sealed - the pool's share) // splits pages of its own; too few of them
-    (under two), or a pool of 0 %, and the splits take their shares as before."""
-    monkeypatch.setitem(TUNE, "side_pool", 12)
-    monkeypatch.setitem(TUNE, "side_chunk", 1)
-    assert K._pool(128, 2047) == (14, 1)  # 128k tokens, 128 splits: 1,792 pages walked as shares, 255 dealt out
-    assert K._pool(131, 8191) == (55, 1)  # 512k: 7,205 walked as shares, 986 dealt out
-    assert K._pool(5, 8) == (0, 0)  # a page and a half a split
-    monkeypatch.setitem(TUNE, "side_chunk", 4)
-    assert K._pool(16, 512) == (28, 4)
-    monkeypatch.setitem(TUNE, "side_pool", 0)
-    assert K._pool(128, 2047) == (0, 0)
-
-
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}, {"side_pool": 60}, {"side_pool": -1},
-                                  {"side_pool": True}, {"side_pool": "12"}, {"side_chunk": 3}, {"side_chunk": True}, {"pdl": "yes"}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
+from triton.language.extra.cuda import globaltimer, smid
 
 from ...errors import BackendUnavailableError
 from ...quant import hadamard
@@ -51,7 +51,7 @@ def _decode_kernel(
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
     ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
-    STAMPS=None, PDL: tl.constexpr = False, DYN: tl.constexpr = 0, DCNT=None,
+    STAMPS=None,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -61,21 +61,12 @@ def _decode_kernel(
     K/V go through fp16 dots (DOT is 16-bit), else through DOT with fp32 dequantization.
     STAMPS (diagnostics only, `STAMP` below; None compiles none of it): int64 [programs, 8]
     of %globaltimer readings at the program's entry, before and after its sealed pages and
-    at its end, its SM and its sealed pages. PDL (launched with programmatic dependent launch,
-    sm_90+): wait for the kernels before it, then let the next launch (the merge) start.
-    DYN > 0 (side by side, one page a step; `_pool`): each split walks blocks_per_split sealed
-    pages of its own, then takes chunks of DYN pages from the pool after all splits' pages
-    until none is left: DCNT (int32, one per row and KV head, zero on entry) counts the chunks
-    taken, and whoever merges the splits sets it back to zero. Programs that run faster take
-    more chunks, so the splits end closer together (notes v21)."""
+    at its end, its SM and its sealed pages."""
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    if PDL:  # nothing before this reads what earlier kernels wrote
-        gdc_wait()
-        gdc_launch_dependents()
     if STAMPS is not None:
         stamp = STAMPS + (pid * n_splits + split) * 8
         tl.store(stamp, globaltimer())
@@ -101,12 +92,6 @@ def _decode_kernel(
     # side by side: the first step's block ids, loaded before the query so that the two
     # loads' latencies overlap (loaded after it, the ids waited for the query's first use,
     # and the first pages for the ids)
-    if DYN > 0:  # the first chunk of the pool taken now, so that its ids load early
-        k = tl.atomic_add(DCNT + pid, 1, sem="relaxed")
-        j0 = n_sink + split * blocks_per_split
-        j1 = j0 + blocks_per_split
-        lo = tl.where(split == 0, 0, j0)  # the first split takes the sinks, the last the tail
-        hi = tl.where(split == n_splits - 1, total, j1)
     trow = TABLE + b * stride_tb
     ids = j0
     if WP > 0:
@@ -116,10 +101,6 @@ def _decode_kernel(
     start = 0
     if HAS_START:
         start = tl.load(START + b)
-    if DYN > 0:
-        pool = n_sink + n_splits * blocks_per_split  # the pool: sealed blocks pool .. n_blocks - 1
-        c0 = pool + k * DYN
-        ids_c = _side_ids(trow, c0, tl.minimum(c0 + DYN, n_blocks), WP)
 
     # 1. + 3. unquantized, unrotated blocks: sink pages, then the tail after the table; with
     # SKIP only in the programs that have some (the loops' pipelined prologues cost every
@@ -138,15 +119,6 @@ def _decode_kernel(
             KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start,
             qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
             H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP, SVT, ZDOT, MASK)
-        if DYN > 0:  # chunks of the pool while any is left, the next one taken a chunk ahead
-            while c0 < n_blocks:
-                k = tl.atomic_add(DCNT + pid, 1, sem="relaxed")
-                m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _sealed_side(
-                    KC, KS, KZ, VC, VS, VZ, trow, ids_c, h, c0, tl.minimum(c0 + DYN, n_blocks), start,
-                    qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
-                    H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP, SVT, ZDOT, MASK)
-                c0 = pool + k * DYN
-                ids_c = _side_ids(trow, c0, tl.minimum(c0 + DYN, n_blocks), WP)
     else:  # PAGES of them per iteration (more loads in flight per program): K scores per
         # page (_page_scores) joined into one [G_PAD, PAGES*P] tile whose token t is page
         # t % PAGES, row t // PAGES; V rows are loaded in that order.
@@ -205,8 +177,6 @@ def _decode_kernel(
                 o, lse = _merge_range(O, LSE, row0, n_splits, 0, n_splits, 1, G, GM, SB, D)
                 _store_rows(OUT, LOUT, row0, 1, 0, o, lse, G, GM, D)
                 tl.atomic_xchg(COUNT + pid, 0)
-                if DYN > 0:
-                    tl.atomic_xchg(DCNT + pid, 0)
         else:
             n_groups = tl.cdiv(n_splits, TREE)
             grp = split // TREE
@@ -219,8 +189,6 @@ def _decode_kernel(
                 tl.atomic_xchg(counters + grp, 0)
                 if n_groups == 1:
                     _store_rows(OUT, LOUT, row0, 1, 0, o, lse, G, GM, D)
-                    if DYN > 0:
-                        tl.atomic_xchg(DCNT + pid, 0)
                 else:
                     _store_rows(O, LSE, row0, n_splits, g0, o, lse, G, GM, D)
                     tl.debug_barrier()
@@ -229,8 +197,6 @@ def _decode_kernel(
                         o, lse = _merge_range(O, LSE, row0, n_splits, 0, n_groups, TREE, G, GM, SB, D)
                         _store_rows(OUT, LOUT, row0, 1, 0, o, lse, G, GM, D)
                         tl.atomic_xchg(counters + n_groups, 0)
-                        if DYN > 0:
-                            tl.atomic_xchg(DCNT + pid, 0)
 
 
 @triton.jit
@@ -477,24 +443,15 @@ def _store_rows(O, LSE, row0, n, s, out, lse, G: tl.constexpr, GM: tl.constexpr,
 
 @triton.jit(do_not_specialize=["S", "s_o_b", "s_o_h", "s_o_s", "s_l_b", "s_l_h"])
 def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
-                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr = 0, BD: tl.constexpr = 0,
-                  PDL: tl.constexpr = False, DCNT=None, G: tl.constexpr = 1):
+                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr = 0, BD: tl.constexpr = 0):
     """Merge the splits of one (row, query head) by log-sum-exp: the second launch of
     TUNE["merge"] == "launch" (S_PAD compiles a variant per power of two of splits). SC > 0
     (TUNE["merge_chunk"]) reads the splits SC at a time with an online rescale where S_PAD is
     larger; else all at once. BD > 0 (`_merge_cols`): the program merges BD of the D columns,
-    program_id(1) which (grid (rows * HQ, D // BD)); 0: all D. PDL: launched with programmatic
-    dependent launch (sm_90+), so it waits for the decode kernel's partials here. DCNT: the
-    decode kernel's pool counters (one per row and KV head of G query heads), set back to zero."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    program_id(1) which (grid (rows * HQ, D // BD)); 0: all D."""
     pid = tl.program_id(0)
     b = pid // HQ
     hq = pid % HQ
-    if DCNT is not None:
-        if (hq % G == 0) & (tl.program_id(1) == 0):
-            tl.store(DCNT + b * (HQ // G) + hq // G, 0)
     DC: tl.constexpr = BD if BD > 0 else D  # this program's columns
     offs_d = tl.arange(0, DC)
     if BD > 0:
@@ -635,7 +592,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # loop skewed (a step scoring the next pages while it accumulates its own values): slower
 # everywhere, int4 128k 48.4 against 45.9 us.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_pool=12, side_chunk=1, pdl=True,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -774,30 +731,15 @@ def _side(fmt, short: bool) -> int:
     most 64 tokens and TUNE["side_bits"] bits on both sides, TUNE["side"] of them, or
     TUNE["side_short"] where a program gets at most two pages (short contexts)."""
     for name, ok in (("side", (0, 1, 2, 4, 8)), ("side_short", (0, 1, 2, 4, 8)), ("side_k16", (0, 1, 3)), ("side_bits", (4, 8)),
-                     ("side_dense", (16, 32)), ("side_zdot", (0, 4, 8)), ("side_unmasked", (0, 4, 8)), ("side_chunk", (1, 2, 4))):
+                     ("side_dense", (16, 32)), ("side_zdot", (0, 4, 8)), ("side_unmasked", (0, 4, 8))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
-    for name in ("side_vt", "side_apart", "side_skip", "pdl"):
+    for name in ("side_vt", "side_apart", "side_skip"):
         if TUNE[name] not in (False, True):
             raise ValueError(f"TUNE[{name!r}] must be True or False, got {TUNE[name]!r}")
-    pool = TUNE["side_pool"]
-    if isinstance(pool, bool) or not isinstance(pool, int) or not 0 <= pool <= 50:
-        raise ValueError(f"TUNE['side_pool'] must be a percentage from 0 to 50, got {pool!r}")
     if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or fmt.block_size > 64:
         return 0
     return TUNE["side_short"] if short else TUNE["side"]
-
-
-def _pool(splits: int, sealed: int) -> tuple[int, int]:
-    """(sealed pages each split walks, pages a chunk of the pool) where the decode kernel deals
-    TUNE["side_pool"] percent of a row's `sealed` pages out in chunks of TUNE["side_chunk"] to
-    whichever split is free (DYN; the caller's rule says where), or (0, 0): too few pages for a
-    split to keep two of its own."""
-    pool, chunk = TUNE["side_pool"], TUNE["side_chunk"]  # (checked by _side)
-    own = (sealed - sealed * pool // 100) // splits
-    if not pool or own < 2:
-        return 0, 0
-    return own, chunk
 
 
 def _side_k16(half: bool, scales16: bool) -> int:
@@ -924,10 +866,6 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
-    # programmatic dependent launch (sm_90+): each launch may start while the one before it
-    # ends, and waits for it on the GPU (gdc_wait) before reading what it wrote
-    pdl = dict(PDL=True, launch_pdl=True) if gpu and TUNE["pdl"] and torch.cuda.get_device_capability(device) >= (9, 0) else {}
-    consts.update(pdl)
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
 
     def merge_in_kernel(splits: int) -> bool:
@@ -941,13 +879,9 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         sealed = n_blocks - n_sink
         # side_apart: the sinks and the tail get a split of their own, the sealed pages the rest
         apart = bool(side and TUNE["side_apart"] and splits > 1 and sealed > 0 and (n_sink or tail_len))
-        # side_pool: each split walks `own` sealed pages, the rest go out in chunks of `dyn`
-        own, dyn = _pool(splits, sealed) if side == 1 and not short and splits > 1 and not fmt.rotate and not apart else (0, 0)
         if apart:
             bps = side * max(1, math.ceil(sealed / (splits - 1) / side))
             splits = math.ceil(sealed / bps) + 1
-        elif dyn:
-            bps = own
         else:
             bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
             splits = max(1, math.ceil(total / bps))
@@ -957,28 +891,23 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
         o_r = torch.empty_like(o) if fmt.rotate else o
         lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
-        out, lout, count, dcnt = o, lse, table, None
+        out, lout, count = o, lse, table
         if splits > 1 and not fmt.rotate:
             out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
             lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
             per_head = math.ceil(splits / tree) + 1 if tree else 1  # a counter per group, and one for the groups
-            n_merge = B * H * per_head if merge else 0
-            buf = _counters(q.device, n_merge + (B * H if dyn else 0))
-            count = buf if merge else table
-            dcnt = buf[n_merge:n_merge + B * H] if dyn else None  # the pool's chunk counts
+            count = _counters(q.device, B * H * per_head) if merge else table
         args = (q2, qr, table, start if start is not None else table,
                 view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
                 o, o_r, lse, out, lout, count,
                 q2.stride(0), q2.stride(1), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
                 n_blocks, n_sink, tail_len, bps, scale, splits, int(apart))
-        pool = dict(DYN=dyn, DCNT=dcnt) if dyn else {}
         if warmup:
-            return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, TREE=tree, **pool, **consts)
+            return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, TREE=tree, **consts)
         stamps = {} if STAMP is None else dict(STAMPS=STAMP)
-        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, TREE=tree, **pool, **stamps, **consts), grid=(B * H, splits),
-                    side=side, k16=k16, svt=svt, zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short,
-                    mask=consts["MASK"], pool=(bps, dyn) if dyn else None)
-        return splits, merged, merge, o, o_r, lse, out, lout, dcnt
+        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, TREE=tree, **stamps, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt,
+                    zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"])
+        return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:
         splits = guess
@@ -989,7 +918,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
                 fit = _FIT[key] = _fit(launch(splits, warmup=True), opts["num_warps"], device)
             if fit < ppsm:
                 splits = num_splits(B, H, total, sm, fit)
-    splits, merged, merge, o, o_r, lse, out, lout, dcnt = launch(splits)
+    splits, merged, merge, o, o_r, lse, out, lout = launch(splits)
     if merged:
         return o, (lse if return_lse else None)
     if fmt.rotate:
@@ -999,5 +928,5 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         bd = _merge_cols(D, B * Hq, sm)
         _merge_kernel[(B * Hq, D // bd if bd else 1)](
             o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=bd, num_warps=4, DCNT=dcnt, G=G, **pdl)
+            HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=bd, num_warps=4)
     return out, (lout if return_lse else None)
