@@ -50,11 +50,11 @@ def compile_decode(a):
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
                  PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
-                 SKIP=bool(a.skip), STAMPS=None, TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
+                 SKIP=bool(a.skip), STAMPS=None, PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
     if a.merge_splits:  # the merge launch's kernel instead (_merge_kernel)
         fn = K._merge_kernel
         names = list(inspect.signature(fn.fn).parameters)
-        const = {"HQ": a.q_heads, "D": a.head_dim, "S_PAD": max(2, triton.next_power_of_2(a.merge_splits)), "SC": a.merge_chunk,
+        const = {"PDL": bool(a.pdl), "HQ": a.q_heads, "D": a.head_dim, "S_PAD": max(2, triton.next_power_of_2(a.merge_splits)), "SC": a.merge_chunk,
                  "BD": a.merge_cols}
         ptrs = dict(POINTERS, OUT="*bf16")
     elif a.prefill:  # the prefill kernel: a.prefill rows (query tokens x G heads) a program
@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=0, help="side by side: programs without sinks or tail skip their loops (TUNE side_skip)")
     ap.add_argument("--mask", type=int, default=None, help="side by side: mask the scores (default: the launcher's rule for a "
                     "batch without padding, TUNE side_unmasked)")
+    ap.add_argument("--pdl", type=int, default=0, help="launched as a programmatic dependent (TUNE pdl)")
     ap.add_argument("--merge-cols", type=int, default=0, help="with --merge-splits: columns a program (0: all)")
     ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")
     ap.add_argument("--keep", type=Path, help="write the kernel's .ttgir, .ptx and .sass into this folder")

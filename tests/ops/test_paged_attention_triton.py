@@ -437,7 +437,7 @@ def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
     assert err_lse <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[torch.float16]), err_lse
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}, {"pdl": "yes"}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel
@@ -482,6 +482,45 @@ def test_merge_kernel_chunks(splits, chunk, cols):
     fin = torch.isfinite(ref_lse)
     assert torch.allclose(lout[:, :, 0][fin], ref_lse[fin], atol=1e-5)
     assert (out[1, 2] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits, T, B", [(4, 16384, 1), (8, 4096, 2), (16, 8192, 1)])
+def test_programmatic_dependent_launch_changes_no_bit(bits, T, B, monkeypatch):
+    """TUNE["pdl"] (sm_90+): the decode kernel and the merge launch go out as programmatic
+    dependents, each waiting on the GPU for the launch before it. Replays of a graph that
+    writes the views' pages between the calls (a kernel each call depends on) give the same
+    bits as plain launches, and eager calls too."""
+    from longctx.bench import synthetic_view
+    from longctx.ops.paged_attention import triton as kernel
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    vs = [synthetic_view(B, T, 8, 128, KVConfig(bits=bits, block_size=64), "cuda", seed=s) for s in (0, 1)]
+    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    codes = [next(t for n, t in v.pages.tensors().items() if n in ("k_codes", "k")) for v in vs]
+    saved = [c.clone() for c in codes]
+
+    def run(pdl):
+        monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "pdl": pdl})
+        eager = [paged_decode_triton(q, v, None, 128**-0.5) for v in vs]
+        outs = [torch.empty(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in vs]
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c, s, v, o in zip(codes, saved, vs, outs):
+                c.zero_()  # a write the call must wait for ...
+                c.copy_(s)  # ... and the pages as they were
+                o.copy_(paged_decode_triton(q, v, None, 128**-0.5)[0])
+        g.replay()
+        torch.cuda.synchronize()
+        return [e[0].clone() for e in eager], [o.clone() for o in outs]
+
+    plain_eager, plain_graph = run(False)
+    assert kernel.LAST["grid"][1] > 1  # split, so the merge runs
+    pdl_eager, pdl_graph = run(True)
+    for a, b in zip(plain_eager + plain_graph, pdl_eager + pdl_graph):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

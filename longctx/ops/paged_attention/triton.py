@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer, smid
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 
 from ...errors import BackendUnavailableError
 from ...quant import hadamard
@@ -51,7 +51,7 @@ def _decode_kernel(
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
     ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
-    STAMPS=None,
+    STAMPS=None, PDL: tl.constexpr = False,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -61,12 +61,16 @@ def _decode_kernel(
     K/V go through fp16 dots (DOT is 16-bit), else through DOT with fp32 dequantization.
     STAMPS (diagnostics only, `STAMP` below; None compiles none of it): int64 [programs, 8]
     of %globaltimer readings at the program's entry, before and after its sealed pages and
-    at its end, its SM and its sealed pages."""
+    at its end, its SM and its sealed pages. PDL (TUNE["pdl"]: launched as a programmatic
+    dependent, sm_90+): wait for the kernels before it, then let the next launch start."""
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
     pid = tl.program_id(0)
     split = tl.program_id(1)
+    if PDL:  # nothing before this reads what earlier kernels wrote
+        gdc_wait()
+        gdc_launch_dependents()
     if STAMPS is not None:
         stamp = STAMPS + (pid * n_splits + split) * 8
         tl.store(stamp, globaltimer())
@@ -443,12 +447,17 @@ def _store_rows(O, LSE, row0, n, s, out, lse, G: tl.constexpr, GM: tl.constexpr,
 
 @triton.jit(do_not_specialize=["S", "s_o_b", "s_o_h", "s_o_s", "s_l_b", "s_l_h"])
 def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
-                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr = 0, BD: tl.constexpr = 0):
+                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr = 0, BD: tl.constexpr = 0,
+                  PDL: tl.constexpr = False):
     """Merge the splits of one (row, query head) by log-sum-exp: the second launch of
     TUNE["merge"] == "launch" (S_PAD compiles a variant per power of two of splits). SC > 0
     (TUNE["merge_chunk"]) reads the splits SC at a time with an online rescale where S_PAD is
     larger; else all at once. BD > 0 (`_merge_cols`): the program merges BD of the D columns,
-    program_id(1) which (grid (rows * HQ, D // BD)); 0: all D."""
+    program_id(1) which (grid (rows * HQ, D // BD)); 0: all D. PDL: launched as a programmatic
+    dependent (sm_90+), so it waits for the decode kernel's partials here."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     b = pid // HQ
     hq = pid % HQ
@@ -567,7 +576,10 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # against 2.01-2.02 at 4k (at batch 8, 256 heads, blocks of 32 ran 2.39 against 2.09 us: the
 # rule keeps all columns there). Launched as a programmatic dependent of the decode kernel
 # (PDL: it may start while that ends) the merge saved nothing measurable in the whole call
-# (128k 54.2-54.9 against 53.2-55.2 us): not kept. side_skip: side by side, a program with no
+# (128k 54.2-54.9 against 53.2-55.2 us): not kept. pdl (off): both launches as programmatic
+# dependents, the decode kernel too (notes v21); the bench's whole call (scripts/bench_ab.py,
+# two rounds): int4 128k 49.6, 49.1 against 48.6, 48.7 us; 512k 164.1, 164.5 against 165.2,
+# 166.2; batch 8 at 32k 88.7, 88.3 against 86.8, 86.9: no gain. side_skip: side by side, a program with no
 # sink page and no tail block skips the unquantized loops altogether; their pipelined
 # prologues (address arithmetic and predicated-off copies) otherwise run in every program.
 # sm_90 SASS (triton 3.6, int4, side_zdot): ~890 instructions outside the side loop in such a
@@ -592,7 +604,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # loop skewed (a step scoring the next pages while it accumulates its own values): slower
 # everywhere, int4 128k 48.4 against 45.9 us.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, pdl=False,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -734,7 +746,7 @@ def _side(fmt, short: bool) -> int:
                      ("side_dense", (16, 32)), ("side_zdot", (0, 4, 8)), ("side_unmasked", (0, 4, 8))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
-    for name in ("side_vt", "side_apart", "side_skip"):
+    for name in ("side_vt", "side_apart", "side_skip", "pdl"):
         if TUNE[name] not in (False, True):
             raise ValueError(f"TUNE[{name!r}] must be True or False, got {TUNE[name]!r}")
     if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or fmt.block_size > 64:
@@ -866,6 +878,10 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
+    # programmatic dependent launch (sm_90+): each launch may start while the one before it
+    # ends, and waits for it on the GPU (gdc_wait) before reading what it wrote
+    pdl = dict(PDL=True, launch_pdl=True) if gpu and TUNE["pdl"] and torch.cuda.get_device_capability(device) >= (9, 0) else {}
+    consts.update(pdl)
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
 
     def merge_in_kernel(splits: int) -> bool:
@@ -928,5 +944,5 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         bd = _merge_cols(D, B * Hq, sm)
         _merge_kernel[(B * Hq, D // bd if bd else 1)](
             o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=bd, num_warps=4)
+            HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=bd, num_warps=4, **pdl)
     return out, (lout if return_lse else None)

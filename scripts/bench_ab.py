@@ -1,0 +1,41 @@
+"""The bench's own number (`bench_decode(..., graph=True)`: a whole call, CUDA-graph replays,
+ratio to SDPA dense bf16 in the same process) for TUNE's defaults and for override sets, in
+alternating rounds: an A/B of what the acceptance targets measure, where scripts/diag_parts.py
+times the kernels alone.
+
+Usage (GPU machine, repo root):
+  python3 scripts/bench_ab.py --ab "pdl=True" [--cases int4:131072:1 ...] [--rounds 2]
+"""
+import argparse
+import sys
+
+sys.path.insert(0, ".")
+from longctx.bench import bench_decode
+from longctx.ops.paged_attention import triton as K
+from scripts.diag_parts import overrides
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="*", default=["int4:131072:1", "int4:524288:1", "int4:32768:8", "int8:131072:1"])
+    ap.add_argument("--ab", nargs="*", default=[], help='override sets "KEY=VALUE,KEY=VALUE"')
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    base = dict(K.TUNE)
+    sets = [{}] + [overrides(x.split(",")) for x in a.ab]
+    for c in a.cases:
+        fmt, T, B = c.split(":")
+        for r in range(a.rounds):
+            for o in sets:
+                K.TUNE.clear()
+                K.TUNE.update(base, **o)
+                rows = bench_decode([int(T)], [int(B)], formats=(fmt,), graph=True)
+                sdpa = next(x.ms for x in rows if x.name == "SDPA dense bf16")
+                ours = next(x.ms for x in rows if x.name.startswith("longctx"))
+                print(f"{c} round {r} {o or 'default'}: SDPA {sdpa * 1e3:.2f} us, {fmt} {ours * 1e3:.2f} us, {sdpa / ours:.3f}x", flush=True)
+    K.TUNE.clear()
+    K.TUNE.update(base)
+
+
+if __name__ == "__main__":
+    main()
