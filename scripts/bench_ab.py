@@ -11,8 +11,7 @@ import sys
 
 sys.path.insert(0, ".")
 from longctx.bench import bench_decode
-from longctx.ops.paged_attention import triton as K
-from scripts.diag_parts import overrides
+from scripts.diag_parts import ab_sets, tuned
 
 
 def main():
@@ -21,20 +20,16 @@ def main():
     ap.add_argument("--ab", nargs="*", default=[], help='override sets "KEY=VALUE,KEY=VALUE"')
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
-    base = dict(K.TUNE)
-    sets = [{}] + [overrides(x.split(",")) for x in a.ab]
+    sets = ab_sets(a.ab)
     for c in a.cases:
         fmt, T, B = c.split(":")
         for r in range(a.rounds):
             for o in sets:
-                K.TUNE.clear()
-                K.TUNE.update(base, **o)
-                rows = bench_decode([int(T)], [int(B)], formats=(fmt,), graph=True)
+                with tuned(o):
+                    rows = bench_decode([int(T)], [int(B)], formats=(fmt,), graph=True)
                 sdpa = next(x.ms for x in rows if x.name == "SDPA dense bf16")
                 ours = next(x.ms for x in rows if x.name.startswith("longctx"))
                 print(f"{c} round {r} {o or 'default'}: SDPA {sdpa * 1e3:.2f} us, {fmt} {ours * 1e3:.2f} us, {sdpa / ours:.3f}x", flush=True)
-    K.TUNE.clear()
-    K.TUNE.update(base)
 
 
 if __name__ == "__main__":

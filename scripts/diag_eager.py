@@ -15,7 +15,7 @@ sys.path.insert(0, ".")
 from longctx.bench import _copies, _time, synthetic_view, view_bytes
 from longctx.ops.paged_attention import paged_attention
 from longctx.ops.paged_attention import triton as K
-from scripts.diag_parts import config, overrides
+from scripts.diag_parts import ab_sets, config, tuned
 
 Hq, H, D = 32, 8, 128
 
@@ -27,8 +27,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=50)
     a = ap.parse_args()
-    base = dict(K.TUNE)
-    sets = [{}] + [overrides(x.split(",")) for x in a.ab]
+    sets = ab_sets(a.ab)
     for c in a.cases:
         fmt, T, B = c.split(":")
         T, B = int(T), int(B)
@@ -39,13 +38,10 @@ def main():
         q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
         for r in range(a.rounds):
             for o in sets:
-                K.TUNE.clear()
-                K.TUNE.update(base, **o)
-                ms = _time(lambda i: paged_attention(q, views[i], backend="triton", return_lse=False), L, a.reps)
+                with tuned(o):
+                    ms = _time(lambda i: paged_attention(q, views[i], backend="triton", return_lse=False), L, a.reps)
                 print(f"{fmt} {T} B{B} round {r} {o or 'default'}: {ms * 1e3:.2f} us a call; grid {K.LAST.get('grid')}, "
                       f"tree {K.LAST.get('tree')}", flush=True)
-        K.TUNE.clear()
-        K.TUNE.update(base)
         del views, one
         torch.cuda.empty_cache()
 

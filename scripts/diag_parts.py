@@ -17,6 +17,7 @@ with each of these override sets, in turn, --rounds times (same process, same vi
 """
 import argparse
 import ast
+import contextlib
 import dataclasses
 import sys
 from collections import defaultdict
@@ -100,6 +101,23 @@ def overrides(items) -> dict:
     return out
 
 
+def ab_sets(items) -> list[dict]:
+    """TUNE's defaults ({}) and then each "KEY=VALUE,KEY=VALUE" override set of --ab."""
+    return [{}] + [overrides(x.split(",")) for x in items]
+
+
+@contextlib.contextmanager
+def tuned(o: dict):
+    """TUNE with the overrides `o` inside the block, as it was after it."""
+    base = dict(K.TUNE)
+    K.TUNE.update(o)
+    try:
+        yield
+    finally:
+        K.TUNE.clear()
+        K.TUNE.update(base)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cases", nargs="*", default=["int4:4096:1", "int4:131072:1", "int4:524288:1", "int4:32768:8", "int8:131072:1"])
@@ -115,21 +133,17 @@ def main():
         raise SystemExit("--ab runs the default and its sets alone: leave out --ordered, --bare, --splits and --sdpa")
     K.TUNE.update(overrides(a.tune))
     print("TUNE overrides:", a.tune or "none")
-    base = dict(K.TUNE)
-    sets = [{}] + [overrides(x.split(",")) for x in a.ab]
+    sets = ab_sets(a.ab)
     for c in a.cases:
         fmt, T, B = c.split(":")
         if a.ab:
             vs = views(int(B), int(T), config(fmt), n=4)
             for r in range(a.rounds):
                 for o in sets:
-                    K.TUNE.clear()
-                    K.TUNE.update(base, **o)
                     print(f"-- round {r}, {o or 'default'}")
-                    parts(fmt, int(T), int(B), vs=vs)
+                    with tuned(o):
+                        parts(fmt, int(T), int(B), vs=vs)
             del vs
-            K.TUNE.clear()
-            K.TUNE.update(base)
             continue
         parts(fmt, int(T), int(B))
         if a.ordered:
