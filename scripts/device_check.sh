@@ -32,7 +32,9 @@ TAIL=24 stage prefill 200 python3 -m longctx bench prefill --contexts 32k,128k -
 TAIL=30 stage prefill_short 150 python3 -m longctx bench prefill --contexts 128k --chunks 16,64,256,512 --json "$OUT/prefill_short.json"
 TAIL=40 stage diag_prefill 240 python3 scripts/diag_prefill.py int4
 TAIL=12 stage decode_b8 90 python3 -m longctx bench decode --graph --contexts 32k --batch 8 --formats int4,int8,bf16 --json "$OUT/decode_b8.json"
-TAIL=12 stage decode_p128 45 python3 -m longctx bench decode --contexts 128k,512k --batch 1 --formats int4 --block-size 128 --no-peers
+# decode_p128: the same bench with pages of 128 tokens (a format choice: K's scales over 128 tokens)
+TAIL=14 stage decode_p128 200 python3 -m longctx bench decode --graph --contexts 4k,128k,512k --batch 1 --formats int4,int8 --block-size 128 --json "$OUT/decode_p128.json"
+TAIL=10 stage decode_p128_b8 90 python3 -m longctx bench decode --graph --contexts 32k --batch 8 --formats int4,int8 --block-size 128 --json "$OUT/decode_p128_b8.json"
 TAIL=60 stage sweep 360 python3 scripts/diag_speed.py "$OUT/diag_speed.json"
 # ab: CUPTI kernel times in graph replays, TUNE's defaults and each set of $AB (space-separated
 # "KEY=VALUE,KEY=VALUE" sets) in turn, two rounds (scripts/diag_parts.py --ab)
