@@ -5,7 +5,6 @@ interpreter's bf16 dot is broken); on CUDA (gpu marker) with bf16 too. Error bud
 kernel's error against fp64 may be at most twice the reference's, or a dtype floor.
 """
 
-import math
 import pytest
 import torch
 
@@ -196,24 +195,6 @@ def test_side_apart_within_budget(case, apart, dtype, monkeypatch):
     monkeypatch.setitem(TUNE, "side_apart", apart)
     test_triton_decode_within_budget(case, dtype)
     assert K.LAST["apart"] == (apart and case[-1] > 1)
-
-
-@pytest.mark.parametrize("small, share", [(1, 30), (2, 50)])
-@pytest.mark.parametrize("case", [c for c in SIDE_CASES if c[-1] > 1], ids=[case_id(c) for c in SIDE_CASES if c[-1] > 1])
-@pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
-def test_side_small_splits_within_budget(case, small, share, dtype, monkeypatch):
-    """TUNE["side_small"]: the splits take (100 - side_small_share) % of the logical blocks in
-    equal shares and the rest go `small` blocks a split to splits after them (the tail in the
-    last of those, the sink block in the first split): the grid's budget, and the grid as
-    the rule says."""
-    monkeypatch.setitem(TUNE, "side_small", small)
-    monkeypatch.setitem(TUNE, "side_small_share", share)
-    test_triton_decode_within_budget(case, dtype)
-    B, T, Hq, Hkv, D, P, kw, pad, sp = case
-    total = math.ceil(T / P)  # the sink block and sealed blocks, then the tail's
-    per = max(1, total * (100 - share) // (100 * sp))
-    assert K.LAST["small"] == (sp, per, small)
-    assert K.LAST["grid"][1] == sp + math.ceil((total - sp * per) / small)
 
 
 # int8 pages (and mixed int8 K, int4 V), which go side by side with TUNE["side_bits"] 8
@@ -456,7 +437,7 @@ def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
     assert err_lse <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[torch.float16]), err_lse
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}, {"pdl": "yes"}, {"side_small": 3}, {"side_small": True}, {"side_small_share": 51}, {"side_small_share": 12.5}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}, {"pdl": "yes"}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

@@ -38,20 +38,20 @@ from .triton_tiles import _softmax_step, _step_ids, _zero_state
 
 # Integers that change from step to step are not specialized: Triton would compile a new
 # variant the first time each turns 1 or a multiple of 16 (tail_len does within 16 steps).
-@triton.jit(do_not_specialize=["stride_tb", "n_blocks", "n_sink", "tail_len", "blocks_per_split", "n_splits", "apart", "s1", "bps2"])
+@triton.jit(do_not_specialize=["stride_tb", "n_blocks", "n_sink", "tail_len", "blocks_per_split", "n_splits", "apart"])
 def _decode_kernel(
     Q, QR, TABLE, START,
     SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, TAIL_K, TAIL_V,
     O, OR, LSE, OUT, LOUT, COUNT,
     stride_qb, stride_qh, stride_tb, s_tk_b, s_tk_h, s_tk_p,
-    n_blocks, n_sink, tail_len, blocks_per_split, scale, n_splits, apart, s1, bps2,
+    n_blocks, n_sink, tail_len, blocks_per_split, scale, n_splits, apart,
     H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
     ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
-    STAMPS=None, PDL: tl.constexpr = False, SMALL: tl.constexpr = False,
+    STAMPS=None, PDL: tl.constexpr = False,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -83,13 +83,8 @@ def _decode_kernel(
     offs_v = tl.arange(0, DV)
     gmask = offs_g < G
     total = n_blocks + tl.cdiv(tail_len, P)
-    if SMALL:  # splits s1.. are small (bps2 blocks each), dispatched after the first wave
-        big = split < s1
-        lo = tl.where(big, split * blocks_per_split, s1 * blocks_per_split + (split - s1) * bps2)
-        hi = tl.minimum(lo + tl.where(big, blocks_per_split, bps2), total)
-    else:
-        lo = split * blocks_per_split
-        hi = tl.minimum(lo + blocks_per_split, total)
+    lo = split * blocks_per_split
+    hi = tl.minimum(lo + blocks_per_split, total)
     j0 = tl.maximum(lo, n_sink)  # the sealed blocks j0 .. j1 - 1
     j1 = tl.minimum(hi, n_blocks)
     if apart:  # the last split takes the unquantized blocks alone, the others the sealed ones
@@ -609,7 +604,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # loop skewed (a step scoring the next pages while it accumulates its own values): slower
 # everywhere, int4 128k 48.4 against 45.9 us.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, pdl=False, side_small=0, side_small_share=12,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, pdl=False,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -751,10 +746,6 @@ def _side(fmt, short: bool) -> int:
                      ("side_dense", (16, 32)), ("side_zdot", (0, 4, 8)), ("side_unmasked", (0, 4, 8))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
-    if TUNE["side_small"] not in (0, 1, 2, 4, 8, 16) or isinstance(TUNE["side_small"], bool):
-        raise ValueError(f"TUNE['side_small'] must be 0 (off) or the blocks of a small split (1, 2, 4, 8, 16), got {TUNE['side_small']!r}")
-    if isinstance(TUNE["side_small_share"], bool) or TUNE["side_small_share"] not in range(0, 51):
-        raise ValueError(f"TUNE['side_small_share'] must be a percent of the blocks from 0 to 50, got {TUNE['side_small_share']!r}")
     for name in ("side_vt", "side_apart", "side_skip", "pdl"):
         if TUNE[name] not in (False, True):
             raise ValueError(f"TUNE[{name!r}] must be True or False, got {TUNE[name]!r}")
@@ -910,18 +901,6 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         else:
             bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
             splits = max(1, math.ceil(total / bps))
-        # side_small: the splits above take (100 - side_small_share) % of the blocks, and the
-        # rest go side_small a split to splits launched after them, which the GPU hands to
-        # whichever SM frees a slot first (the first wave's ends differ by several pages' time)
-        s1, bps2, small = splits, bps, TUNE["side_small"] if side and not apart and not short and splits > 1 else 0
-        if small:
-            per = pages_per_step * max(1, total * (100 - TUNE["side_small_share"]) // (100 * s1 * pages_per_step))
-            rest = total - s1 * per
-            if rest > 0:
-                bps, bps2 = per, pages_per_step * math.ceil(small / pages_per_step)
-                splits = s1 + math.ceil(rest / bps2)
-            else:
-                small = 0
         merged = splits == 1 and not fmt.rotate  # one split: the kernel writes the final output
         merge = merge_in_kernel(splits)
         tree = _merge_tree(splits) if merge else 0
@@ -938,14 +917,12 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
                 view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
                 o, o_r, lse, out, lout, count,
                 q2.stride(0), q2.stride(1), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-                n_blocks, n_sink, tail_len, bps, scale, splits, int(apart), s1, bps2)
-        consts["SMALL"] = bool(small)
+                n_blocks, n_sink, tail_len, bps, scale, splits, int(apart))
         if warmup:
             return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, TREE=tree, **consts)
         stamps = {} if STAMP is None else dict(STAMPS=STAMP)
         LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, TREE=tree, **stamps, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt,
-                    zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"],
-                    small=(s1, bps, bps2) if small else None)
+                    zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"])
         return splits, merged, merge, o, o_r, lse, out, lout
 
     if splits is None:
