@@ -197,6 +197,47 @@ def test_side_apart_within_budget(case, apart, dtype, monkeypatch):
     assert K.LAST["apart"] == (apart and case[-1] > 1)
 
 
+# pages of more than 64 tokens, which go side by side as tiles of 64 (TUNE["side_tiles"])
+TILE_CASES = [(2, 600, 8, 2, 64, 128, dict(bits=4), True, 2), (1, 700, 4, 1, 128, 256, dict(bits=4, group_size=32), False, 1),
+              (2, 520, 9, 3, 64, 128, dict(bits=2, rotate=True), True, 3), (1, 400, 8, 2, 128, 128, dict(bits=8), False, 2),
+              (2, 600, 4, 2, 64, 256, dict(bits=4, k_bits=8), True, 1)]
+
+
+@pytest.mark.parametrize("side, vt", [(1, True), (2, True), (1, False)], ids=lambda v: str(int(v)))
+@pytest.mark.parametrize("case", TILE_CASES, ids=[case_id(c) for c in TILE_CASES])
+@pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
+def test_side_by_side_tiles_of_big_pages_within_budget(case, side, vt, dtype, monkeypatch):
+    """Pages of 128 and 256 tokens side by side, each as tiles of 64 tokens that share the
+    page's K scales: the grid's budget with GQA 3 and 4, int2 with rotation, int8, k8v4, V
+    groups of 32, left padding, one split and several."""
+    if dtype == torch.float32 and vt:
+        pytest.skip("fp32 inputs take V in fp32 whatever side_vt says: the vt0 case runs them")
+    monkeypatch.setitem(TUNE, "side", side)
+    monkeypatch.setitem(TUNE, "side_short", side)  # (programs of at most two pages)
+    monkeypatch.setitem(TUNE, "side_vt", vt)
+    test_triton_decode_within_budget(case, dtype)
+    assert K.LAST["side"] == side
+
+
+@pytest.mark.parametrize("side", [1, 2])
+@pytest.mark.parametrize("P, starts", [(128, [0, 200]), (256, [70, 333])])
+@pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
+def test_side_by_side_tiles_mask_padding(P, starts, side, dtype, monkeypatch):
+    """Left padding that ends inside a sealed page's second or later tile (rows padded past
+    the sink page), in programs of several pages, beside a row padded less."""
+    monkeypatch.setitem(TUNE, "side", side)
+    monkeypatch.setitem(TUNE, "side_short", side)  # (programs of at most two pages)
+    _within_budget((2, 900, 8, 2, 64, P, dict(bits=4), True, 2), dtype, starts=starts)
+    assert K.LAST["side"] == side
+
+
+def test_big_pages_take_the_2d_loop_without_side_tiles(monkeypatch):
+    """TUNE["side_tiles"] False: pages of more than 64 tokens go through the 2-D loop, as before."""
+    monkeypatch.setitem(TUNE, "side_tiles", False)
+    test_triton_decode_within_budget(TILE_CASES[0], torch.float16)
+    assert K.LAST["side"] == 0
+
+
 # int8 pages (and mixed int8 K, int4 V), which go side by side with TUNE["side_bits"] 8
 SIDE8_CASES = [_long(CASES[2], 1), _long(CASES[6], 2), _long(CASES[9], 2), CASES[13]]
 
@@ -303,13 +344,17 @@ def test_side_rule(monkeypatch):
     assert _side(fmt(8), short=False) == 0
     assert _side(fmt(4, k_bits=8), short=False) == 0
     assert _side(fmt(2, block=16), short=False) == TUNE["side"]
+    assert _side(fmt(4, block=128), short=False) == TUNE["side"]  # as tiles of 64 tokens
+    assert _side(fmt(4, block=256), short=False) == TUNE["side"]
+    monkeypatch.setitem(TUNE, "side_tiles", False)
     assert _side(fmt(4, block=128), short=False) == 0
+    monkeypatch.setitem(TUNE, "side_tiles", True)
     monkeypatch.setitem(TUNE, "side_short", 2)
     assert _side(fmt(4), short=True) == 2 and _side(fmt(4), short=False) == TUNE["side"]
     monkeypatch.setitem(TUNE, "side_bits", 8)
     assert _side(fmt(8), short=False) == _side(fmt(4, k_bits=8), short=False) == TUNE["side"]
     assert _side(fmt(16), short=False) == _side(fmt(4, k_bits=16), short=False) == 0
-    assert _side(fmt(8, block=128), short=False) == 0
+    assert _side(fmt(8, block=128), short=False) == TUNE["side"]
     monkeypatch.setitem(TUNE, "side", 0)
     assert _side(fmt(4), short=False) == 0
 
@@ -437,7 +482,7 @@ def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
     assert err_lse <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[torch.float16]), err_lse
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}, {"pdl": "yes"}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}, {"pdl": "yes"}, {"side_tiles": "yes"}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel

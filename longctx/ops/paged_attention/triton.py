@@ -99,7 +99,8 @@ def _decode_kernel(
     trow = TABLE + b * stride_tb
     ids = j0
     if WP > 0:
-        ids = _side_ids(trow, j0, j1, WP)
+        TILES: tl.constexpr = P // 64 if P > 64 else 1  # the side loop's tiles a page
+        ids = _side_ids(trow, j0 * TILES, j1, WP, TILES)
     qbase = b * stride_qb + h * G * stride_qh
     q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, qbase, offs_g, gmask, stride_qh, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT)
     start = 0
@@ -305,11 +306,11 @@ def _dense_block_t(kbase, vbase, sp, valid, pos, start, qt, m_i, l_i, e0, e1, e2
 
 
 @triton.jit
-def _side_ids(trow, j, j1, WP: tl.constexpr):
-    """Block ids [WP] of the side-by-side step at logical block j of a split whose sealed
-    blocks end at j1: ids at or past j1 repeat a valid one (the table has at least one
-    column), whose scores are masked."""
-    return tl.load(trow + tl.maximum(tl.minimum(j + tl.arange(0, WP), j1 - 1), 0))
+def _side_ids(trow, u, j1, WP: tl.constexpr, R: tl.constexpr = 1):
+    """Block ids [WP] of the side-by-side step at tile u (R tiles a block: tile u is in logical
+    block u // R) of a split whose sealed blocks end at j1: ids at or past j1 repeat a valid
+    one (the table has at least one column), whose scores are masked."""
+    return tl.load(trow + tl.maximum(tl.minimum((u + tl.arange(0, WP)) // R, j1 - 1), 0))
 
 
 @triton.jit
@@ -320,16 +321,19 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start, qp0, qp1, 
                  K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr, ASM: tl.constexpr, PK: tl.constexpr,
                  PV: tl.constexpr, WP: tl.constexpr, SVT: tl.constexpr, ZDOT: tl.constexpr, MASK: tl.constexpr):
     """The sealed (quantized) blocks j0 .. j1 - 1 of a row's table (trow; ids [WP]: the block
-    ids of the first step), WP pages side by side a step (triton_tiles' _side_*): each keeps its
-    own online softmax over the pages it sees, and the WP states fold into the program's (m_i,
+    ids of the first step), WP tiles of at most 64 tokens side by side a step (triton_tiles'
+    _side_*; a page of P > 64 tokens is P // 64 tiles, which share its K scales): each keeps its
+    own online softmax over the tiles it sees, and the WP states fold into the program's (m_i,
     l_i, accumulators) at the end; with ROTATE the sealed pages' share goes to the rotated
     accumulators r0..r3. MASK False (the launcher's rule, TUNE["side_unmasked"]: one page a
     step and no left padding, where no score is masked) leaves out the masking."""
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
+    T: tl.constexpr = P if P <= 64 else 64  # tokens a tile
+    R: tl.constexpr = P // T  # tiles a page
     offs_w = tl.arange(0, WP)
-    offs_p = tl.arange(0, P)
+    offs_p = tl.arange(0, T)
     offs_k = tl.arange(0, DK)
     offs_v = tl.arange(0, DV)
     q30 = tl.broadcast_to(tl.permute(qp0, (1, 0))[None, :, :], (WP, DK, G_PAD))  # transposed: the dots' second operand
@@ -348,20 +352,21 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start, qp0, qp1, 
     w2 = w0
     w3 = w0
     # block ids a step ahead (loop-carried), as in the 2-D loop
-    for j in range(j0, j1, WP):
+    for u in range(j0 * R, j1 * R, WP):
         bh = ids.to(tl.int64) * H + h
-        ids = _side_ids(trow, j + WP, j1, WP)
-        s = _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k, D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
+        sub = ((u + offs_w) % R) * T  # the tile's first token in its page (R > 1)
+        ids = _side_ids(trow, u + WP, j1, WP, R)
+        s = _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k, D, T, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT, P)
         if MASK:
-            page = j + offs_w
-            keep = (page < j1)[:, None] & (page[:, None] * P + offs_p[None, :] >= start)
+            tile = u + offs_w  # the tile's first token is the row's token tile * T
+            keep = (tile < j1 * R)[:, None] & (tile[:, None] * T + offs_p[None, :] >= start)
             s = tl.where(keep[:, None, :], s, float("-inf"))
         mw, lw, p, alpha = _softmax_step(s, mw, lw)
         if SVT:
-            x0, x1, x2, x3, z_acc = _side_values_folded(VC, VS, VZ, bh, tl.permute(p, (0, 2, 1)), x0, x1, x2, x3, z_acc, alpha,
-                                                        offs_p, P, DV, PV, NG, GS, V_BITS, ASM, ZDOT)
+            x0, x1, x2, x3, z_acc = _side_values_folded(VC, VS, VZ, bh, sub, tl.permute(p, (0, 2, 1)), x0, x1, x2, x3, z_acc, alpha,
+                                                        offs_p, T, DV, PV, NG, GS, V_BITS, ASM, ZDOT, P)
         else:
-            pv, v0, v1, v2, v3 = _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
+            pv, v0, v1, v2, v3 = _side_values(VC, VS, VZ, bh, sub, p, offs_p, offs_v, T, DV, PV, NG, GS, V_BITS, V16, DOT, ASM, P)
             w0, w1, w2, w3 = _acc(w0, w1, w2, w3, alpha, pv, v0, v1, v2, v3, PV, PREC)
     if SVT:
         w0 = _unfold_values(x0, z_acc, NG)
@@ -603,8 +608,14 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # from 32 pages a program on: int4 0.5-1.3 % faster, int8 slower (six programs an SM); the side
 # loop skewed (a step scoring the next pages while it accumulates its own values): slower
 # everywhere, int4 128k 48.4 against 45.9 us.
+# side_tiles: pages of more than 64 tokens go side by side as tiles of 64 tokens, one tile a
+# step, each loading its page's K scales (False: the 2-D loop, as before). The 2-D loop ran
+# int4 pages of 128 tokens at 0.1020 ms at 128k on the H200 (1.27x SDPA; pages of 64 side by
+# side 0.0482, notes v22). sm_90 SASS (triton 3.6, scripts/sass_decode.py --block-size): int4
+# 1,283 instructions a tile with pages of 128 (1,285 with 256) against 1,246 a page of 64; int8
+# 1,299 / 1,296 against 1,225; 255 registers, no spills. Not yet timed on a GPU.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, pdl=False,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, pdl=False,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -740,16 +751,17 @@ def _pages_per_step(fmt) -> int:
 
 def _side(fmt, short: bool) -> int:
     """Sealed pages a loop step side by side, one a warp (0: the 2-D loop): for pages of at
-    most 64 tokens and TUNE["side_bits"] bits on both sides, TUNE["side"] of them, or
-    TUNE["side_short"] where a program gets at most two pages (short contexts)."""
+    most TUNE["side_bits"] bits on both sides, TUNE["side"] of them, or TUNE["side_short"]
+    where a program gets at most two pages (short contexts). Pages of more than 64 tokens go
+    as tiles of 64 (TUNE["side_tiles"]; else through the 2-D loop)."""
     for name, ok in (("side", (0, 1, 2, 4, 8)), ("side_short", (0, 1, 2, 4, 8)), ("side_k16", (0, 1, 3)), ("side_bits", (4, 8)),
                      ("side_dense", (16, 32)), ("side_zdot", (0, 4, 8)), ("side_unmasked", (0, 4, 8))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
-    for name in ("side_vt", "side_apart", "side_skip", "pdl"):
+    for name in ("side_vt", "side_apart", "side_skip", "side_tiles", "pdl"):
         if TUNE[name] not in (False, True):
             raise ValueError(f"TUNE[{name!r}] must be True or False, got {TUNE[name]!r}")
-    if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or fmt.block_size > 64:
+    if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or (fmt.block_size > 64 and not TUNE["side_tiles"]):
         return 0
     return TUNE["side_short"] if short else TUNE["side"]
 

@@ -529,11 +529,13 @@ def _finish(O, OR, LSE, orow, omask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, o
 
 
 @triton.jit
-def _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k,
+def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
                  D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr, K_BITS: tl.constexpr,
-                 DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr):
+                 DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr,
+                 PS: tl.constexpr = 0):
     """Base-2 scores [W, G_PAD, P] of the quantized pages at pool rows bh [W] (block * H +
-    head) against the query sub-tiles, transposed and broadcast over W (q30..q33 [W, DK,
+    head), or with PS > P of their P-token tiles starting `sub` [W] tokens into pages of PS
+    (which share the page's K scales), against the query sub-tiles, transposed and broadcast over W (q30..q33 [W, DK,
     G_PAD]), computed transposed (K·Qᵀ: the page's codes are the dot's first operand, the few
     query rows the second, which the tensor cores pad to 8 columns where a first operand pads
     to 16 rows). K16 == 1 folds K's per-channel scales into the fp32 query, (q*s)_r rounded to
@@ -547,7 +549,10 @@ def _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k,
     G_PAD: tl.constexpr = q30.shape[2]
     st = tl.zeros((W, P, G_PAD), tl.float32)
     corr = tl.zeros((W, DK, G_PAD), tl.float32)  # q*z - 1024 * fp16(q*s), summed once (K16 == 1)
-    xk = tl.load(KC + (bh[:, None, None] * P + offs_p[None, :, None]) * DK + offs_k[None, None, :])
+    tok = bh[:, None, None] * (PS if PS > P else P) + offs_p[None, :, None]
+    if PS > P:
+        tok += sub[:, None, None]
+    xk = tl.load(KC + tok * DK + offs_k[None, None, :])
     W16: tl.constexpr = KS.dtype.element_ty.primitive_bitwidth == 16
     chan = bh[:, None] * D + PK * offs_k[None, :]  # channel PK*i of each page's head
     ksw = xk
@@ -582,12 +587,15 @@ def _side_scores(KC, KS, KZ, bh, q30, q31, q32, q33, offs_p, offs_k,
 
 
 @triton.jit
-def _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr,
-                 NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, V16: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
-    """V sub-tiles [W, P, DV] of the quantized pages at pool rows bh [W], dequantized in
-    registers, and the probabilities p [W, G_PAD, P] in the dtype their dot takes: (pv, v0..v3)."""
+def _side_values(VC, VS, VZ, bh, sub, p, offs_p, offs_v, P: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr,
+                 NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, V16: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
+                 PS: tl.constexpr = 0):
+    """V sub-tiles [W, P, DV] of the quantized pages at pool rows bh [W] (with PS > P: their
+    P-token tiles `sub` [W] tokens into pages of PS), dequantized in registers, and the probabilities p [W, G_PAD, P] in the dtype their dot takes: (pv, v0..v3)."""
     W: tl.constexpr = p.shape[0]
-    row = bh[:, None] * P + offs_p[None, :]  # [W, P] rows of the [N * H * P, ...] pool
+    row = bh[:, None] * (PS if PS > P else P) + offs_p[None, :]  # [W, P] rows of the [N * H * block_size, ...] pool
+    if PS > P:
+        row += sub[:, None]
     xv = tl.load(VC + row[:, :, None] * DV + offs_v[None, None, :])
     VT: tl.constexpr = (tl.bfloat16 if V16 == 2 and V_BITS <= 4 and VS.dtype.element_ty == tl.bfloat16
                         else tl.float16 if V16 else tl.float32)
@@ -598,11 +606,11 @@ def _side_values(VC, VS, VZ, bh, p, offs_p, offs_v, P: tl.constexpr, DV: tl.cons
 
 
 @triton.jit
-def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, alpha, offs_p, P: tl.constexpr, DV: tl.constexpr,
+def _side_values_folded(VC, VS, VZ, bh, sub, pt, x0, x1, x2, x3, z_acc, alpha, offs_p, P: tl.constexpr, DV: tl.constexpr,
                         PV: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, ASM: tl.constexpr,
-                        ZDOT: tl.constexpr = False):
-    """Side by side, values transposed with their per-token scales folded into the
-    probabilities: for each group g of V's channels, codes_gᵀ [GS/PV, P] (exact fp16 codes, the
+                        ZDOT: tl.constexpr = False, PS: tl.constexpr = 0):
+    """Side by side (pool rows bh [W]; with PS > P their P-token tiles `sub` [W] tokens into
+    pages of PS), values transposed with their per-token scales folded into the probabilities: for each group g of V's channels, codes_gᵀ [GS/PV, P] (exact fp16 codes, the
     dot's first operand: converted in its registers) @ (p * s_g) [P, rows], the NG groups along
     the batch dimension of the accumulators x_r [W * NG, GS/PV, rows]; sum_t p z_g goes to
     z_acc [W, NG, rows], as a sum over the page's tokens, or with ZDOT as a small dot of the
@@ -615,12 +623,18 @@ def _side_values_folded(VC, VS, VZ, bh, pt, x0, x1, x2, x3, z_acc, alpha, offs_p
     W: tl.constexpr = bh.shape[0]
     R: tl.constexpr = pt.shape[2]
     DG: tl.constexpr = GS // PV  # a group's columns of a sub-tile
-    row = bh[:, None] * P + offs_p[None, :]  # [W, P]
+    STRIDE: tl.constexpr = PS if PS > P else P
+    row = bh[:, None] * STRIDE + offs_p[None, :]  # [W, P]
+    if PS > P:
+        row += sub[:, None]
     # code words [W * NG, DG, P]: batch entry b is page b // NG's group b % NG (loaded in this
     # shape: a reshape of the loaded tile would keep its conversion out of the dot's registers)
     offs_b = tl.arange(0, W * NG)
     bh_b = tl.reshape(tl.broadcast_to(bh[:, None], (W, NG)), (W * NG,))
-    xv = tl.load(VC + (bh_b[:, None, None] * P + offs_p[None, None, :]) * DV + (offs_b % NG)[:, None, None] * DG
+    tok = bh_b[:, None, None] * STRIDE + offs_p[None, None, :]
+    if PS > P:
+        tok += tl.reshape(tl.broadcast_to(sub[:, None], (W, NG)), (W * NG,))[:, None, None]
+    xv = tl.load(VC + tok * DV + (offs_b % NG)[:, None, None] * DG
                  + tl.arange(0, DG)[None, :, None])
     ok = row >= 0
     sg = _token_groups(VS, row, ok, NG).to(tl.float32)  # [W, P, NG]
