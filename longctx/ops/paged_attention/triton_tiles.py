@@ -535,8 +535,8 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
                  PS: tl.constexpr = 0):
     """Base-2 scores [W, G_PAD, P] of the quantized pages at pool rows bh [W] (block * H +
     head), or with PS > P of their P-token tiles starting `sub` [W] tokens into pages of PS
-    (which share the page's K scales), against the query sub-tiles, transposed and broadcast over W (q30..q33 [W, DK,
-    G_PAD]), computed transposed (K·Qᵀ: the page's codes are the dot's first operand, the few
+    (which share the page's K scales), against the query sub-tiles, transposed and broadcast
+    over W (q30..q33 [W, DK, G_PAD]), computed transposed (K·Qᵀ: the page's codes are the dot's first operand, the few
     query rows the second, which the tensor cores pad to 8 columns where a first operand pads
     to 16 rows). K16 == 1 folds K's per-channel scales into the fp32 query, (q*s)_r rounded to
     fp16, and dots it with fp16 1024 + code (int4: 1024 + 16 * code for odd nibbles, against
@@ -591,7 +591,8 @@ def _side_values(VC, VS, VZ, bh, sub, p, offs_p, offs_v, P: tl.constexpr, DV: tl
                  NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, V16: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
                  PS: tl.constexpr = 0):
     """V sub-tiles [W, P, DV] of the quantized pages at pool rows bh [W] (with PS > P: their
-    P-token tiles `sub` [W] tokens into pages of PS), dequantized in registers, and the probabilities p [W, G_PAD, P] in the dtype their dot takes: (pv, v0..v3)."""
+    P-token tiles `sub` [W] tokens into pages of PS), dequantized in registers, and the
+    probabilities p [W, G_PAD, P] in the dtype their dot takes: (pv, v0..v3)."""
     W: tl.constexpr = p.shape[0]
     row = bh[:, None] * (PS if PS > P else P) + offs_p[None, :]  # [W, P] rows of the [N * H * block_size, ...] pool
     if PS > P:
@@ -610,7 +611,8 @@ def _side_values_folded(VC, VS, VZ, bh, sub, pt, x0, x1, x2, x3, z_acc, alpha, o
                         PV: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, ASM: tl.constexpr,
                         ZDOT: tl.constexpr = False, PS: tl.constexpr = 0):
     """Side by side (pool rows bh [W]; with PS > P their P-token tiles `sub` [W] tokens into
-    pages of PS), values transposed with their per-token scales folded into the probabilities: for each group g of V's channels, codes_gᵀ [GS/PV, P] (exact fp16 codes, the
+    pages of PS), values transposed with their per-token scales folded into the
+    probabilities: for each group g of V's channels, codes_gᵀ [GS/PV, P] (exact fp16 codes, the
     dot's first operand: converted in its registers) @ (p * s_g) [P, rows], the NG groups along
     the batch dimension of the accumulators x_r [W * NG, GS/PV, rows]; sum_t p z_g goes to
     z_acc [W, NG, rows], as a sum over the page's tokens, or with ZDOT as a small dot of the
