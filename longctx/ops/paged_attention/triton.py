@@ -99,7 +99,7 @@ def _decode_kernel(
     trow = TABLE + b * stride_tb
     ids = j0
     if WP > 0:
-        TILES: tl.constexpr = P // 64 if P > 64 else 1  # the side loop's tiles a page
+        TILES: tl.constexpr = P // _side_tile(P)  # the side loop's tiles a page
         ids = _side_ids(trow, j0 * TILES, j1, WP, TILES)
     qbase = b * stride_qb + h * G * stride_qh
     q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, qbase, offs_g, gmask, stride_qh, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT)
@@ -305,6 +305,15 @@ def _dense_block_t(kbase, vbase, sp, valid, pos, start, qt, m_i, l_i, e0, e1, e2
     return m_new, l_i, e0, e1, e2, e3
 
 
+SIDE_TILE = 64  # tokens a step of the side loop takes at most: larger pages go as tiles of this many
+
+
+@triton.constexpr_function
+def _side_tile(P):
+    """Tokens a tile of the side loop, for pages of P tokens (a page is P // _side_tile(P) tiles)."""
+    return min(P, SIDE_TILE)
+
+
 @triton.jit
 def _side_ids(trow, u, j1, WP: tl.constexpr, R: tl.constexpr = 1):
     """Block ids [WP] of the side-by-side step at tile u (R tiles a block: tile u is in logical
@@ -330,7 +339,7 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start, qp0, qp1, 
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
-    T: tl.constexpr = P if P <= 64 else 64  # tokens a tile
+    T: tl.constexpr = _side_tile(P)  # tokens a tile
     R: tl.constexpr = P // T  # tiles a page
     offs_w = tl.arange(0, WP)
     offs_p = tl.arange(0, T)
@@ -752,8 +761,8 @@ def _pages_per_step(fmt) -> int:
 def _side(fmt, short: bool) -> int:
     """Sealed pages a loop step side by side, one a warp (0: the 2-D loop): for pages of at
     most TUNE["side_bits"] bits on both sides, TUNE["side"] of them, or TUNE["side_short"]
-    where a program gets at most two pages (short contexts). Pages of more than 64 tokens go
-    as tiles of 64 (TUNE["side_tiles"]; else through the 2-D loop)."""
+    where a program gets at most two pages (short contexts). Pages of more than SIDE_TILE tokens
+    go as tiles of that many (TUNE["side_tiles"]; else through the 2-D loop)."""
     for name, ok in (("side", (0, 1, 2, 4, 8)), ("side_short", (0, 1, 2, 4, 8)), ("side_k16", (0, 1, 3)), ("side_bits", (4, 8)),
                      ("side_dense", (16, 32)), ("side_zdot", (0, 4, 8)), ("side_unmasked", (0, 4, 8))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
@@ -761,7 +770,7 @@ def _side(fmt, short: bool) -> int:
     for name in ("side_vt", "side_apart", "side_skip", "side_tiles", "pdl"):
         if TUNE[name] not in (False, True):
             raise ValueError(f"TUNE[{name!r}] must be True or False, got {TUNE[name]!r}")
-    if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or (fmt.block_size > 64 and not TUNE["side_tiles"]):
+    if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or (fmt.block_size > SIDE_TILE and not TUNE["side_tiles"]):
         return 0
     return TUNE["side_short"] if short else TUNE["side"]
 
