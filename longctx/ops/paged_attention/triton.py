@@ -622,7 +622,10 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # int4 pages of 128 tokens at 0.1020 ms at 128k on the H200 (1.27x SDPA; pages of 64 side by
 # side 0.0482, notes v22). sm_90 SASS (triton 3.6, scripts/sass_decode.py --block-size): int4
 # 1,283 instructions a tile with pages of 128 (1,285 with 256) against 1,246 a page of 64; int8
-# 1,299 / 1,296 against 1,225; 255 registers, no spills. Not yet timed on a GPU.
+# 1,299 / 1,296 against 1,225; 255 registers, no spills. H200, pages of 128, the bench's call
+# under graphs (scripts/bench_ab.py --block-size 128, two rounds, notes v23): int4 128k 47.9,
+# 48.3 us against 101.2, 100.5 through the 2-D loop (2.61x against 1.25x SDPA); 512k 163.2,
+# 163.7 against 334.2, 334.8; batch 8 at 32k 86.5 against 185.5: as fast as pages of 64.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
             pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, pdl=False,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
