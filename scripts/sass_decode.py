@@ -51,6 +51,10 @@ def compile_decode(a):
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
                  PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
                  SKIP=bool(a.skip), STAMPS=None, PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
+    const.update(GRID=0, S_PAD=0, SC=0, BD=0)
+    if a.merge == "grid":  # merge programs after the splits in the same grid (TUNE merge "grid")
+        const.update(GRID=G * (a.head_dim // a.merge_cols if a.merge_cols else 1), S_PAD=max(2, triton.next_power_of_2(a.grid_splits)),
+                     SC=a.merge_chunk, BD=a.merge_cols)
     if a.merge_splits:  # the merge launch's kernel instead (_merge_kernel)
         fn = K._merge_kernel
         names = list(inspect.signature(fn.fn).parameters)
@@ -112,7 +116,9 @@ def main() -> None:
     ap.add_argument("--v16", type=int, default=int(K.TUNE["v16"]), help="0: fp32 V, 1: fp16, 2: bf16 where exact")
     ap.add_argument("--words", type=int, default=int(K.TUNE["words"]))
     ap.add_argument("--asm", type=int, default=int(K.TUNE["asm"]), help="0: no inline PTX; int4 sub-tiles a PTX block (1, 2, 4)")
-    ap.add_argument("--merge", default="kernel", choices=("kernel", "launch"), help="kernel: with the in-kernel merge")
+    ap.add_argument("--merge", default="kernel", choices=("kernel", "launch", "grid"),
+                    help="kernel: with the in-kernel merge; grid: with merge programs in the grid (--grid-splits, --merge-cols, --merge-chunk)")
+    ap.add_argument("--grid-splits", type=int, default=128, help="with --merge grid: the splits its merge programs are compiled for")
     ap.add_argument("--tree", type=int, default=K.TUNE["merge_tree"], help="with --merge kernel: splits a merge group (0: the last split merges all)")
     ap.add_argument("--merge-splits", type=int, default=0, help="compile the merge launch's kernel for this many splits instead")
     ap.add_argument("--merge-chunk", type=int, default=K.TUNE["merge_chunk"], help="with --merge-splits: splits read at a time (0: all)")
@@ -120,7 +126,7 @@ def main() -> None:
     ap.add_argument("--mask", type=int, default=None, help="side by side: mask the scores (default: the launcher's rule for a "
                     "batch without padding, TUNE side_unmasked)")
     ap.add_argument("--pdl", type=int, default=0, help="launched as a programmatic dependent (TUNE pdl)")
-    ap.add_argument("--merge-cols", type=int, default=0, help="with --merge-splits: columns a program (0: all)")
+    ap.add_argument("--merge-cols", type=int, default=0, help="with --merge-splits or --merge grid: columns a program (0: all)")
     ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")
     ap.add_argument("--keep", type=Path, help="write the kernel's .ttgir, .ptx and .sass into this folder")
     ap.add_argument("--live", action="store_true", help="also the peak of live registers in each loop and outside them "

@@ -482,6 +482,103 @@ def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
     assert err_lse <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[torch.float16]), err_lse
 
 
+@pytest.mark.parametrize("splits, cols, chunk", [(8, 16, 128), (7, 32, 2), (2, 0, 0)], ids=lambda x: str(x))
+def test_merge_programs_in_the_grid(splits, cols, chunk, monkeypatch):
+    """TUNE["merge"] "grid": merge programs after the splits in the decode grid, one a query
+    head (and block of TUNE["merge_cols"] columns where `_merge_cols` takes blocks), each
+    waiting for its (row, KV head)'s splits. Against the merge launch (the same merge code:
+    the same bits here; on a GPU to the rounding of the sums' order, one warp against four),
+    the reference and the fp64 oracle (one row left-padded past its first splits, whose
+    partials see no key); the counters end at zero, and a second call gives the same bits."""
+    from longctx.ops.paged_attention import triton as kernel
+
+    B, T, Hq, Hkv, D, P = 2, 16 * 55 + 1, 8, 2, 64, 16
+    cfg = KVConfig(bits=4, block_size=P, sink_blocks=0)
+    cache, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=torch.float16, seed=11)
+    view = _to(cache.view(0), DEVICE)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(12)).half()
+    start = torch.tensor([0, 300], dtype=torch.int32)  # row 1: with 7 or 8 splits, the first two see no key
+    monkeypatch.setattr(kernel, "_merge_cols", lambda D_, heads, sm: cols)  # (the rule itself: test_merge_column_blocks_fill_idle_sms)
+    runs = {}
+    for mode in ("launch", "grid"):
+        monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": mode, "merge_chunk": chunk})
+        runs[mode] = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=splits)
+        assert kernel.LAST["merge"] == mode
+    out, lse = runs["grid"]
+    assert kernel.LAST["grid"] == (B * Hkv, splits + (Hq // Hkv) * (D // cols if cols else 1))
+    assert (kernel._COUNTERS[q.to(DEVICE).device] == 0).all()
+    again, lse2 = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=splits)
+    assert torch.equal(out, again) and torch.equal(lse, lse2)
+    if out.is_cuda:  # (a sum over splits in one warp, not four)
+        assert torch.allclose(out.float(), runs["launch"][0].float(), rtol=2**-10, atol=1e-6)
+        assert torch.allclose(lse, runs["launch"][1], rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(out, runs["launch"][0]) and torch.equal(lse, runs["launch"][1])
+    ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
+    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T - 1)
+    exact_out, exact_lse = attention_fp64(q, k_exp, v_exp, start)
+    err = (out.cpu().double() - exact_out).abs().max().item()
+    err_ref = (ref_out.double() - exact_out).abs().max().item()
+    assert err <= max(2 * err_ref, FLOOR[torch.float16]), (err, err_ref)
+    err_lse = (lse.cpu().double() - exact_lse).abs().max().item()
+    assert err_lse <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[torch.float16]), err_lse
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits, T, B", [(4, 16384, 1), (4, 131072, 1), (8, 4096, 2), (4, 32768, 8)])
+def test_merge_programs_in_the_grid_under_graphs(bits, T, B, monkeypatch):
+    """TUNE["merge"] "grid" in CUDA graph replays (the bench's way), two views alternating and
+    their pages rewritten before each call: every replay gives the same bits as the first,
+    close to the merge launch's (the sums' order) and within the reference's budget; the
+    counters end at zero. Merge programs beyond half the GPU's slots fall back to the launch."""
+    from longctx.bench import synthetic_view
+    from longctx.ops.paged_attention import triton as kernel
+
+    vs = [synthetic_view(B, T, 8, 128, KVConfig(bits=bits, block_size=64), "cuda", seed=s) for s in (0, 1)]
+    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    codes = [next(t for n, t in v.pages.tensors().items() if n in ("k_codes", "k")) for v in vs]
+    saved = [c.clone() for c in codes]
+
+    def replayed(mode):
+        monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": mode})
+        outs = [torch.empty(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in vs]
+        paged_decode_triton(q, vs[0], None, 128**-0.5)  # compile outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c, s, v, o in zip(codes, saved, vs, outs):
+                c.zero_()
+                c.copy_(s)
+                o.copy_(paged_decode_triton(q, v, None, 128**-0.5)[0])
+        assert kernel.LAST["grid"][1] > 1 and kernel.LAST["merge"] == mode
+        res = []
+        for _ in range(3):
+            g.replay()
+            torch.cuda.synchronize()
+            res.append([o.clone() for o in outs])
+        return res
+
+    launch = replayed("launch")
+    grid = replayed("grid")
+    assert (kernel._COUNTERS[q.device] == 0).all()
+    for rep in grid[1:]:
+        for a, b in zip(grid[0], rep):
+            assert torch.equal(a, b)
+    for a, b in zip(launch[0], grid[0]):
+        assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=2**-7 * b.float().abs().max().item())
+    for v, o in zip(vs, grid[0]):
+        ref, _ = paged_attention(q, v, backend="reference")
+        assert (o.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+    # the rule: 32 rows x 8 KV heads x 4 query heads' merge programs leave the splits too few slots
+    big = synthetic_view(32, 2048, 8, 128, KVConfig(bits=4, block_size=64), "cuda", seed=2)
+    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": "grid"})
+    qb = torch.randn(32, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    out, _ = paged_decode_triton(qb, big, None, 128**-0.5, splits=4)
+    assert kernel.LAST["merge"] == "launch" and kernel.LAST["grid"] == (32 * 8, 4)
+    ref, _ = paged_attention(qb, big, backend="reference")
+    assert (out.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+
+
 @pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}, {"pdl": "yes"}, {"side_tiles": "yes"}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
@@ -637,12 +734,13 @@ def test_merge_column_blocks_fill_idle_sms(monkeypatch):
 
 
 def test_merge_option():
-    from longctx.ops.paged_attention.triton import _merge_in_kernel
+    from longctx.ops.paged_attention.triton import _merge_mode
 
-    assert _merge_in_kernel("auto", capturing=False) and not _merge_in_kernel("auto", capturing=True)
-    assert _merge_in_kernel("kernel", capturing=True) and not _merge_in_kernel("launch", capturing=False)
+    assert _merge_mode("auto", capturing=False) == "kernel" and _merge_mode("auto", capturing=True) == "launch"
+    assert _merge_mode("kernel", capturing=True) == "kernel" and _merge_mode("launch", capturing=False) == "launch"
+    assert _merge_mode("grid", capturing=True) == "grid" and _merge_mode("grid", capturing=False) == "grid"
     with pytest.raises(ValueError, match="merge"):
-        _merge_in_kernel("fused", capturing=False)
+        _merge_mode("fused", capturing=False)
 
 
 def test_head_dims_the_kernels_cannot_tile_go_to_the_reference():

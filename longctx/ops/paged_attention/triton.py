@@ -5,8 +5,9 @@ its share of the row's logical blocks (sink pages, sealed quantized pages, then 
 unquantized tail), dequantizes codes in registers and keeps an online softmax. Splits are
 merged by log-sum-exp: in eager calls inside the same launch (the last split of each head to
 finish does it, or with many splits the last of each group of splits, then the last group's),
-under CUDA graph capture in a second launch (faster there, `TUNE["merge"]`). No bf16 copy of
-the cache is ever written.
+under CUDA graph capture in a second launch (faster there, `TUNE["merge"]`; "grid" puts merge
+programs after the splits in the decode grid instead). No bf16 copy of the cache is ever
+written.
 
 With rotation the sealed pages hold K·H and V·H: their scores use the rotated query, and
 their share of the output is accumulated apart and rotated back once, after the merge.
@@ -51,7 +52,8 @@ def _decode_kernel(
     PAGES: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, MERGE: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr,
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
     ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
-    STAMPS=None, PDL: tl.constexpr = False,
+    STAMPS=None, PDL: tl.constexpr = False, GRID: tl.constexpr = 0, S_PAD: tl.constexpr = 0, SC: tl.constexpr = 0,
+    BD: tl.constexpr = 0,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -62,7 +64,16 @@ def _decode_kernel(
     STAMPS (diagnostics only, `STAMP` below; None compiles none of it): int64 [programs, 8]
     of %globaltimer readings at the program's entry, before and after its sealed pages and
     at its end, its SM and its sealed pages. PDL (TUNE["pdl"]: launched as a programmatic
-    dependent, sm_90+): wait for the kernels before it, then let the next launch start."""
+    dependent, sm_90+): wait for the kernels before it, then let the next launch start.
+    GRID > 0 (TUNE["merge"] "grid"): the grid has GRID more programs a (row, KV head) after its
+    n_splits splits (program_id(1) n_splits ..), each merging one query head's columns (BD of
+    them, or all D; S_PAD, SC as `_merge_head`) once the splits' counter (COUNT, two int32 a
+    row and KV head, zeros, left at zero) says that all of them have stored their partials."""
+    if GRID > 0:
+        if tl.program_id(1) >= n_splits:
+            _grid_merge(O, LSE, OUT, LOUT, COUNT, tl.program_id(0), tl.program_id(1) - n_splits, n_splits,
+                        H, G, D, GRID, S_PAD, SC, BD, PDL)
+            return
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
@@ -164,6 +175,9 @@ def _decode_kernel(
     if STAMPS is not None:
         tl.store(stamp + 2, globaltimer())
     _finish(O, OR, LSE, (b * H * G + h * G + offs_g) * n_splits + split, gmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE)
+    if GRID > 0:  # this split's partial is stored (every thread's: the barrier), for the merge programs
+        tl.debug_barrier()
+        tl.atomic_add(COUNT + 2 * pid, 1, sem="release")
     if STAMPS is not None:
         tl.store(stamp + 3, globaltimer())
         tl.store(stamp + 4, smid().to(tl.int64))
@@ -459,36 +473,29 @@ def _store_rows(O, LSE, row0, n, s, out, lse, G: tl.constexpr, GM: tl.constexpr,
     tl.store(LSE + rows * n + s, lse, mask=gm)
 
 
-@triton.jit(do_not_specialize=["S", "s_o_b", "s_o_h", "s_o_s", "s_l_b", "s_l_h"])
-def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
-                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr = 0, BD: tl.constexpr = 0,
-                  PDL: tl.constexpr = False):
-    """Merge the splits of one (row, query head) by log-sum-exp: the second launch of
-    TUNE["merge"] == "launch" (S_PAD compiles a variant per power of two of splits). SC > 0
-    (TUNE["merge_chunk"]) reads the splits SC at a time with an online rescale where S_PAD is
-    larger; else all at once. BD > 0 (`_merge_cols`): the program merges BD of the D columns,
-    program_id(1) which (grid (rows * HQ, D // BD)); 0: all D. PDL: launched as a programmatic
-    dependent (sm_90+), so it waits for the decode kernel's partials here."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    b = pid // HQ
-    hq = pid % HQ
+@triton.jit
+def _merge_head(O, LSE, OUT, LOUT, b, hq, cb, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
+                HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr, BD: tl.constexpr, CG: tl.constexpr):
+    """Merge the S splits of (row b, query head hq) by log-sum-exp, columns cb * BD .. (all D
+    with BD 0): all S_PAD at once, or SC at a time with an online rescale where S_PAD is
+    larger (SC > 0). CG reads the partials past L1 (other programs of the same launch wrote
+    them)."""
     DC: tl.constexpr = BD if BD > 0 else D  # this program's columns
     offs_d = tl.arange(0, DC)
     if BD > 0:
-        offs_d += tl.program_id(1) * BD
+        offs_d += cb * BD
+    CM: tl.constexpr = ".cg" if CG else ""
     if SC == 0 or S_PAD <= SC:
         offs_s = tl.arange(0, S_PAD)
         smask = offs_s < S
-        lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"))
+        lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"), cache_modifier=CM)
         m = tl.max(lse, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp(lse - m_safe)
         denom = tl.sum(w, 0)
         w = w / tl.where(denom > 0, denom, 1.0)
-        o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0)
+        o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0,
+                    cache_modifier=CM)
         out = tl.sum(o * w[:, None], 0)
     else:
         m_safe = 0.0
@@ -498,23 +505,83 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
         for s0 in range(0, S, SC):
             offs_s = s0 + tl.arange(0, SC)
             smask = offs_s < S
-            lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"))
-            o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0)
+            lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"), cache_modifier=CM)
+            o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0,
+                        cache_modifier=CM)
             m, m_safe, denom, acc = _lse_step(lse, o, m, denom, acc)
         out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(OUT + b * s_out_b + hq * s_out_h + offs_d, out.to(OUT.dtype.element_ty))
     lout = tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
     if BD > 0:
-        tl.store(LOUT + b * HQ + hq, lout, mask=tl.program_id(1) == 0)  # one column block writes it
+        tl.store(LOUT + b * HQ + hq, lout, mask=cb == 0)  # one column block writes it
     else:
         tl.store(LOUT + b * HQ + hq, lout)
+
+
+@triton.jit
+def _grid_merge(O, LSE, OUT, LOUT, COUNT, pid, e, n_splits, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                GRID: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    """Merge program e of (row, KV head) pid in the decode grid (GRID of them: query head
+    e // (D // BD), column block e % (D // BD)). It waits until COUNT[2 pid] counts n_splits
+    stored partials (each split adds 1 with release, this acquires), merges its head's
+    columns in split order with the merge launch's code (`_merge_head`; one warp sums what
+    the launch's four do, so on a GPU the bits may differ in the sums' order), then
+    counts itself in COUNT[2 pid + 1]; the last of the GRID sets both back to zero for the
+    next call. The decode programs never wait, so the merge programs cannot starve them while
+    they are fewer than the GPU's program slots (the launcher's rule); the hardware dispatches
+    them last (program_id(1) is the slow axis), the interpreter after their own splits."""
+    if PDL:  # the counters were last reset by the launch before
+        gdc_wait()
+        gdc_launch_dependents()
+    NCB: tl.constexpr = D // BD if BD > 0 else 1
+    HQ: tl.constexpr = H * G
+    cnt = COUNT + 2 * pid
+    # polled with plain volatile loads (an acquire a poll invalidates the SM's L1 each time,
+    # under the splits running there), then acquired once: the splits' adds are one release
+    # sequence, so this sees every partial stored before them
+    done = tl.load(cnt, volatile=True)
+    while done < n_splits:
+        done = tl.load(cnt, volatile=True)
+    tl.atomic_add(cnt, 0, sem="acquire")
+    # O [B, HQ, n_splits, D] and LSE [B, HQ, n_splits] (contiguous) -> OUT [B, HQ, 1, D], LOUT [B, HQ, 1]
+    _merge_head(O, LSE, OUT, LOUT, pid // H, (pid % H) * G + e // NCB, e % NCB, n_splits, HQ * n_splits * D, n_splits * D, D,
+                HQ * n_splits, n_splits, HQ * D, D, HQ, D, S_PAD, SC, BD, True)
+    if tl.atomic_add(cnt + 1, 1, sem="acq_rel") == GRID - 1:
+        tl.atomic_xchg(cnt, 0)
+        tl.atomic_xchg(cnt + 1, 0)
+
+
+@triton.jit(do_not_specialize=["S", "s_o_b", "s_o_h", "s_o_s", "s_l_b", "s_l_h"])
+def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
+                  HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr = 0, BD: tl.constexpr = 0,
+                  PDL: tl.constexpr = False):
+    """Merge the splits of one (row, query head) by log-sum-exp (`_merge_head`): the second
+    launch of TUNE["merge"] == "launch" (S_PAD compiles a variant per power of two of splits).
+    SC > 0 (TUNE["merge_chunk"]) reads the splits SC at a time where S_PAD is larger; else all
+    at once. BD > 0 (`_merge_cols`): the program merges BD of the D columns, program_id(1)
+    which (grid (rows * HQ, D // BD)); 0: all D. PDL: launched as a programmatic dependent
+    (sm_90+), so it waits for the decode kernel's partials here."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    _merge_head(O, LSE, OUT, LOUT, pid // HQ, pid % HQ, tl.program_id(1), S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
+                HQ, D, S_PAD, SC, BD, False)
 
 
 # Launch knobs, measured on the H200 (notes/decode-kernel.md); scripts/diag_speed.py sweeps them.
 # merge: "kernel" = the last split of each head merges inside the decode launch (one launch
 # less: ~20 us of host time per call); "launch" = a second, parallel merge kernel (~9 us less
 # GPU time at 128k, int4, H200); "auto" = "launch" while a CUDA graph is being captured (its
-# launches cost no host time on replay), else "kernel".
+# launches cost no host time on replay), else "kernel"; "grid" (only where asked for) = merge
+# programs after the splits in the decode grid itself (`_grid_merge`), one a query head and
+# block of merge_cols columns, each polling its (row, KV head)'s count of stored partials and
+# merging them as the launch does: no second launch, no gap, but slower on the H200 (the bench's
+# call under graphs, scripts/bench_ab.py, two rounds, notes v23): int4 128k 49.7, 49.4 us
+# (reading 64 splits at a time: 49.4, 49.1) against 48.4, 48.1 with the launch; batch 8 at 32k
+# 88.3, 88.4 (89.6, 89.2) against 87.4, 88.3; 512k (one round, an acquire a poll then) 168.7
+# (165.1) against 167.1. Merge programs beyond half the GPU's program slots fall back to the
+# launch (they wait for the splits, which must find room).
 # k16=3 (K dequantized in bf16/fp16 against a fixed query) over 2 (scales folded into the
 # query per page): int4 128k 0.1333 vs 0.1448 ms, 512k 0.4648 vs 0.5318 (H200, graph timing).
 # One page a step with three pipeline stages, 4 programs per SM (128 registers: one wave),
@@ -709,9 +776,11 @@ def _words(codes: torch.Tensor, bits: int, words: bool) -> torch.Tensor:
     return codes.view(torch.int16) if words and bits in (4, 8) else codes
 
 
-def _merge_in_kernel(option: str, capturing: bool) -> bool:
-    if option not in ("auto", "kernel", "launch"):
-        raise ValueError(f"TUNE['merge'] must be 'auto', 'kernel' or 'launch', got {option!r}")
+def _merge_mode(option: str, capturing: bool) -> str:
+    """TUNE["merge"] checked (with the merge's other knobs) and resolved: "auto" is "launch"
+    under CUDA graph capture, else "kernel"."""
+    if option not in ("auto", "kernel", "launch", "grid"):
+        raise ValueError(f"TUNE['merge'] must be 'auto', 'kernel', 'launch' or 'grid', got {option!r}")
     c = TUNE["merge_chunk"]
     if isinstance(c, bool) or not isinstance(c, int) or c < 0 or c & (c - 1):
         raise ValueError(f"TUNE['merge_chunk'] must be 0 (all splits at once) or a power of two, got {c!r}")
@@ -724,7 +793,9 @@ def _merge_in_kernel(option: str, capturing: bool) -> bool:
     c = TUNE["merge_tree_from"]
     if isinstance(c, bool) or not isinstance(c, int) or c < 0:
         raise ValueError(f"TUNE['merge_tree_from'] must be a split count (an int >= 0), got {c!r}")
-    return option == "kernel" or (option == "auto" and not capturing)
+    if option == "auto":
+        return "launch" if capturing else "kernel"
+    return option
 
 
 def _merge_tree(splits: int) -> int:
@@ -740,7 +811,7 @@ def _merge_tree(splits: int) -> int:
 
 def _merge_cols(D: int, heads: int, sm: int) -> int:
     """Columns a program of the merge launch (0: all D): blocks of TUNE["merge_cols"] (checked
-    by _merge_in_kernel; 0: never) while the `heads` (rows x query heads) programs times the
+    by _merge_mode; 0: never) while the `heads` (rows x query heads) programs times the
     blocks stay within one per SM. Batch 1 of Llama-3's 32 heads leaves 100 of the H200's 132
     SMs idle with one program a head; four blocks of 32 columns fill 128."""
     c = TUNE["merge_cols"]
@@ -908,9 +979,19 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     consts.update(pdl)
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
 
-    def merge_in_kernel(splits: int) -> bool:
-        """The last split merges the partials (else a second launch, or torch with rotation)."""
-        return splits > 1 and not fmt.rotate and _merge_in_kernel(TUNE["merge"], capturing)
+    def merge_mode(splits: int) -> str:
+        """How the splits merge: "kernel" (the last split), "grid" (merge programs in the same
+        grid) or "launch" (a second kernel); "" where there is nothing to merge or torch merges
+        (one split, rotation)."""
+        return _merge_mode(TUNE["merge"], capturing) if splits > 1 and not fmt.rotate else ""
+
+    def fit_for(splits: int) -> int:
+        """Programs of the compiled kernel (its merge mode at `splits`) one SM holds (GPU)."""
+        key = (device, fmt, q.dtype, KS.dtype, start is not None, merge_mode(splits), stages, side, tuple(TUNE.items()))
+        fit = _FIT.get(key)
+        if fit is None:  # (the in-kernel merge costs registers: 165 against 128 on triton 3.6)
+            fit = _FIT[key] = _fit(launch(splits, warmup=True), opts["num_warps"], device)
+        return fit
 
     def launch(splits: int, warmup: bool = False):
         """Buffers for `splits` splits and the kernel launched over them (compiled only, not
@@ -926,7 +1007,17 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
             bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
             splits = max(1, math.ceil(total / bps))
         merged = splits == 1 and not fmt.rotate  # one split: the kernel writes the final output
-        merge = merge_in_kernel(splits)
+        mode = merge_mode(splits)
+        extra = {}
+        if mode == "grid":
+            bd = _merge_cols(D, B * Hq, sm)
+            extra = dict(GRID=G * (D // bd if bd else 1), S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=bd)
+            # the merge programs wait for the splits: they must leave the splits room on the
+            # GPU whatever order it starts programs in (half its slots; the interpreter runs
+            # them after their splits)
+            if gpu and not warmup and B * H * extra["GRID"] > fit_for(splits) * sm // 2:
+                mode, extra = "launch", {}
+        merge = mode == "kernel"
         tree = _merge_tree(splits) if merge else 0
         o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
         o_r = torch.empty_like(o) if fmt.rotate else o
@@ -936,35 +1027,35 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
             out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
             lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
             per_head = math.ceil(splits / tree) + 1 if tree else 1  # a counter per group, and one for the groups
-            count = _counters(q.device, B * H * per_head) if merge else table
+            if mode == "grid":
+                per_head = 2  # the splits stored, the merge programs done
+            count = _counters(q.device, B * H * per_head) if mode in ("kernel", "grid") else table
         args = (q2, qr, table, start if start is not None else table,
                 view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
                 o, o_r, lse, out, lout, count,
                 q2.stride(0), q2.stride(1), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
                 n_blocks, n_sink, tail_len, bps, scale, splits, int(apart))
+        grid = (B * H, splits + extra.get("GRID", 0))
         if warmup:
-            return _decode_kernel.warmup(*args, grid=(B * H, splits), MERGE=merge, TREE=tree, **consts)
+            return _decode_kernel.warmup(*args, grid=grid, MERGE=merge, TREE=tree, **extra, **consts)
         stamps = {} if STAMP is None else dict(STAMPS=STAMP)
-        LAST.update(kernel=_decode_kernel[(B * H, splits)](*args, MERGE=merge, TREE=tree, **stamps, **consts), grid=(B * H, splits), side=side, k16=k16, svt=svt,
-                    zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"])
-        return splits, merged, merge, o, o_r, lse, out, lout
+        LAST.update(kernel=_decode_kernel[grid](*args, MERGE=merge, TREE=tree, **extra, **stamps, **consts), grid=grid, side=side, k16=k16,
+                    svt=svt, zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"], merge=mode)
+        return splits, merged, mode, o, o_r, lse, out, lout
 
     if splits is None:
         splits = guess
         if gpu:  # as many programs per SM as fit, given the compiled kernel's registers
-            key = (device, fmt, q.dtype, KS.dtype, start is not None, merge_in_kernel(splits), stages, side, tuple(TUNE.items()))
-            fit = _FIT.get(key)
-            if fit is None:  # (the in-kernel merge costs registers: 165 against 128 on triton 3.6)
-                fit = _FIT[key] = _fit(launch(splits, warmup=True), opts["num_warps"], device)
+            fit = fit_for(splits)
             if fit < ppsm:
                 splits = num_splits(B, H, total, sm, fit)
-    splits, merged, merge, o, o_r, lse, out, lout = launch(splits)
+    splits, merged, mode, o, o_r, lse, out, lout = launch(splits)
     if merged:
         return o, (lse if return_lse else None)
     if fmt.rotate:
         out, total_lse = _merge_rotated(o, o_r, lse, hmat)
         return out[:, :, None].to(q.dtype), (total_lse if return_lse else None)
-    if not merge:
+    if mode == "launch":
         bd = _merge_cols(D, B * Hq, sm)
         _merge_kernel[(B * Hq, D // bd if bd else 1)](
             o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
