@@ -451,6 +451,29 @@ def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
 
 
+def _merge_case():
+    """Two rows of 881 tokens (56 logical blocks of 16) over two KV heads with four query heads
+    each, row 1 left-padded past its first 300 tokens (with 7 or 8 splits its first two see
+    no key): (q, start, cache, k, v, cfg) on the CPU, for the merge tests."""
+    B, T, Hq, Hkv, D, P = 2, 16 * 55 + 1, 8, 2, 64, 16
+    cfg = KVConfig(bits=4, block_size=P, sink_blocks=0)
+    cache, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=torch.float16, seed=11)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(12)).half()
+    return q, torch.tensor([0, 300], dtype=torch.int32), cache, k, v, cfg
+
+
+def _merged_within_budget(out, lse, q, start, cache, k, v, cfg):
+    """A merged output and LSE within twice the reference's error against the fp64 oracle."""
+    ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
+    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=k.shape[2] // cfg.block_size * cfg.block_size)  # whole blocks are sealed
+    exact_out, exact_lse = attention_fp64(q, k_exp, v_exp, start)
+    err = (out.cpu().double() - exact_out).abs().max().item()
+    err_ref = (ref_out.double() - exact_out).abs().max().item()
+    assert err <= max(2 * err_ref, FLOOR[torch.float16]), (err, err_ref)
+    err_lse = (lse.cpu().double() - exact_lse).abs().max().item()
+    assert err_lse <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[torch.float16]), err_lse
+
+
 @pytest.mark.parametrize("tree, splits", [(2, 7), (3, 7), (4, 8), (8, 7), (2, 2)], ids=lambda x: str(x))
 def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
     """TUNE["merge_tree"]: the splits merge in groups of `tree` (the last group smaller where
@@ -461,25 +484,14 @@ def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
     from longctx.ops.paged_attention import triton as kernel
 
     monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": "kernel", "merge_tree": tree, "merge_tree_from": 0})
-    B, T, Hq, Hkv, D, P = 2, 16 * 55 + 1, 8, 2, 64, 16  # 56 logical blocks: `splits` splits of whole blocks
-    cfg = KVConfig(bits=4, block_size=P, sink_blocks=0)
-    cache, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=torch.float16, seed=11)
+    q, start, cache, k, v, cfg = _merge_case()
     view = _to(cache.view(0), DEVICE)
-    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(12)).half()
-    start = torch.tensor([0, 300], dtype=torch.int32)  # row 1: with 7 or 8 splits, the first two see no key
-    out, lse = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=splits)
-    assert K.LAST["grid"] == (B * Hkv, splits) and K.LAST["tree"] == tree
+    out, lse = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), q.shape[-1]**-0.5, splits=splits)
+    assert K.LAST["grid"] == (2 * 2, splits) and K.LAST["tree"] == tree
     assert (kernel._COUNTERS[q.to(DEVICE).device] == 0).all()
-    again, lse2 = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=splits)
+    again, lse2 = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), q.shape[-1]**-0.5, splits=splits)
     assert torch.equal(out, again) and torch.equal(lse, lse2)
-    ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
-    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T - 1)
-    exact_out, exact_lse = attention_fp64(q, k_exp, v_exp, start)
-    err = (out.cpu().double() - exact_out).abs().max().item()
-    err_ref = (ref_out.double() - exact_out).abs().max().item()
-    assert err <= max(2 * err_ref, FLOOR[torch.float16]), (err, err_ref)
-    err_lse = (lse.cpu().double() - exact_lse).abs().max().item()
-    assert err_lse <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[torch.float16]), err_lse
+    _merged_within_budget(out, lse, q, start, cache, k, v, cfg)
 
 
 @pytest.mark.parametrize("splits, cols, chunk", [(8, 16, 128), (7, 32, 2), (2, 0, 0)], ids=lambda x: str(x))
@@ -492,12 +504,9 @@ def test_merge_programs_in_the_grid(splits, cols, chunk, monkeypatch):
     partials see no key); the counters end at zero, and a second call gives the same bits."""
     from longctx.ops.paged_attention import triton as kernel
 
-    B, T, Hq, Hkv, D, P = 2, 16 * 55 + 1, 8, 2, 64, 16
-    cfg = KVConfig(bits=4, block_size=P, sink_blocks=0)
-    cache, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=torch.float16, seed=11)
+    q, start, cache, k, v, cfg = _merge_case()
     view = _to(cache.view(0), DEVICE)
-    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(12)).half()
-    start = torch.tensor([0, 300], dtype=torch.int32)  # row 1: with 7 or 8 splits, the first two see no key
+    (B, Hq, _, D), Hkv = q.shape, k.shape[1]
     monkeypatch.setattr(kernel, "_merge_cols", lambda D_, heads, sm: cols)  # (the rule itself: test_merge_column_blocks_fill_idle_sms)
     runs = {}
     for mode in ("launch", "grid"):
@@ -514,14 +523,41 @@ def test_merge_programs_in_the_grid(splits, cols, chunk, monkeypatch):
         assert torch.allclose(lse, runs["launch"][1], rtol=1e-6, atol=1e-6)
     else:
         assert torch.equal(out, runs["launch"][0]) and torch.equal(lse, runs["launch"][1])
-    ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
-    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T - 1)
-    exact_out, exact_lse = attention_fp64(q, k_exp, v_exp, start)
-    err = (out.cpu().double() - exact_out).abs().max().item()
-    err_ref = (ref_out.double() - exact_out).abs().max().item()
-    assert err <= max(2 * err_ref, FLOOR[torch.float16]), (err, err_ref)
-    err_lse = (lse.cpu().double() - exact_lse).abs().max().item()
-    assert err_lse <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[torch.float16]), err_lse
+    _merged_within_budget(out, lse, q, start, cache, k, v, cfg)
+
+
+def _replays(g, outs, n=3):
+    """The outputs of n replays of CUDA graph g, each cloned after its replay."""
+    res = []
+    for _ in range(n):
+        g.replay()
+        torch.cuda.synchronize()
+        res.append([o.clone() for o in outs])
+    return res
+
+
+def _rewritten_views_graph(B, T, bits):
+    """Two bench views (Llama-3's heads, pages of 64, CUDA) and a CUDA graph capture helper
+    that, before each view's call, writes its K codes (zeros, then the saved codes: a kernel
+    the call must wait for): (views, q, capture), capture() -> (graph, outputs)."""
+    from longctx.bench import synthetic_view
+
+    vs = [synthetic_view(B, T, 8, 128, KVConfig(bits=bits, block_size=64), "cuda", seed=s) for s in (0, 1)]
+    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    codes = [next(t for n, t in v.pages.tensors().items() if n in ("k_codes", "k")) for v in vs]
+    saved = [c.clone() for c in codes]
+
+    def capture():
+        outs = [torch.empty(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in vs]
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c, s, v, o in zip(codes, saved, vs, outs):
+                c.zero_()
+                c.copy_(s)
+                o.copy_(paged_decode_triton(q, v, None, 128**-0.5)[0])
+        return g, outs
+
+    return vs, q, capture
 
 
 @pytest.mark.gpu
@@ -535,28 +571,14 @@ def test_merge_programs_in_the_grid_under_graphs(bits, T, B, monkeypatch):
     from longctx.bench import synthetic_view
     from longctx.ops.paged_attention import triton as kernel
 
-    vs = [synthetic_view(B, T, 8, 128, KVConfig(bits=bits, block_size=64), "cuda", seed=s) for s in (0, 1)]
-    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    codes = [next(t for n, t in v.pages.tensors().items() if n in ("k_codes", "k")) for v in vs]
-    saved = [c.clone() for c in codes]
+    vs, q, capture = _rewritten_views_graph(B, T, bits)
 
     def replayed(mode):
         monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": mode})
-        outs = [torch.empty(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in vs]
         paged_decode_triton(q, vs[0], None, 128**-0.5)  # compile outside the capture
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c, s, v, o in zip(codes, saved, vs, outs):
-                c.zero_()
-                c.copy_(s)
-                o.copy_(paged_decode_triton(q, v, None, 128**-0.5)[0])
+        g, outs = capture()
         assert kernel.LAST["grid"][1] > 1 and kernel.LAST["merge"] == mode
-        res = []
-        for _ in range(3):
-            g.replay()
-            torch.cuda.synchronize()
-            res.append([o.clone() for o in outs])
-        return res
+        return _replays(g, outs)
 
     launch = replayed("launch")
     grid = replayed("grid")
@@ -634,26 +656,16 @@ def test_programmatic_dependent_launch_changes_no_bit(bits, T, B, monkeypatch):
     dependents, each waiting on the GPU for the launch before it. Replays of a graph that
     writes the views' pages between the calls (a kernel each call depends on) give the same
     bits as plain launches, and eager calls too."""
-    from longctx.bench import synthetic_view
     from longctx.ops.paged_attention import triton as kernel
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
-    vs = [synthetic_view(B, T, 8, 128, KVConfig(bits=bits, block_size=64), "cuda", seed=s) for s in (0, 1)]
-    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    codes = [next(t for n, t in v.pages.tensors().items() if n in ("k_codes", "k")) for v in vs]
-    saved = [c.clone() for c in codes]
+    vs, q, capture = _rewritten_views_graph(B, T, bits)
 
     def run(pdl):
         monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "pdl": pdl})
         eager = [paged_decode_triton(q, v, None, 128**-0.5) for v in vs]
-        outs = [torch.empty(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in vs]
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c, s, v, o in zip(codes, saved, vs, outs):
-                c.zero_()  # a write the call must wait for ...
-                c.copy_(s)  # ... and the pages as they were
-                o.copy_(paged_decode_triton(q, v, None, 128**-0.5)[0])
+        g, outs = capture()
         g.replay()
         torch.cuda.synchronize()
         return [e[0].clone() for e in eager], [o.clone() for o in outs]
@@ -687,12 +699,7 @@ def test_merge_launch_column_blocks_under_graphs(cols, monkeypatch):
             for v, o in zip(vs, outs):
                 o.copy_(paged_decode_triton(q, v, None, 128**-0.5)[0])
         assert kernel.LAST["grid"][1] > 1
-        res = []
-        for _ in range(3):
-            g.replay()
-            torch.cuda.synchronize()
-            res.append([o.clone() for o in outs])
-        return res
+        return _replays(g, outs)
 
     monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge_cols": 0})
     plain = replayed()
