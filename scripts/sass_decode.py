@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--grid-splits", type=int, default=128, help="with --merge grid: the splits its merge programs are compiled for")
     ap.add_argument("--tree", type=int, default=K.TUNE["merge_tree"], help="with --merge kernel: splits a merge group (0: the last split merges all)")
     ap.add_argument("--merge-splits", type=int, default=0, help="compile the merge launch's kernel for this many splits instead")
-    ap.add_argument("--merge-chunk", type=int, default=K.TUNE["merge_chunk"], help="with --merge-splits: splits read at a time (0: all)")
+    ap.add_argument("--merge-chunk", type=int, default=K.TUNE["merge_chunk"], help="with --merge-splits or --merge grid: splits read at a time (0: all)")
     ap.add_argument("--skip", type=int, default=0, help="side by side: programs without sinks or tail skip their loops (TUNE side_skip)")
     ap.add_argument("--mask", type=int, default=None, help="side by side: mask the scores (default: the launcher's rule for a "
                     "batch without padding, TUNE side_unmasked)")
