@@ -985,6 +985,12 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         (one split, rotation)."""
         return _merge_mode(TUNE["merge"], capturing) if splits > 1 and not fmt.rotate else ""
 
+    def merge_shape(splits: int) -> dict:
+        """The merge's compile-time shape (`_merge_head`), the launch's and the grid's: splits
+        padded to a power of two, read TUNE["merge_chunk"] at a time, in blocks of BD columns
+        (`_merge_cols`; 0: all). (After merge_mode, which checks the knobs.)"""
+        return dict(S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=_merge_cols(D, B * Hq, sm))
+
     def fit_for(splits: int) -> int:
         """Programs of the compiled kernel (its merge mode at `splits`) one SM holds (GPU)."""
         key = (device, fmt, q.dtype, KS.dtype, start is not None, merge_mode(splits), stages, side, tuple(TUNE.items()))
@@ -1010,8 +1016,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         mode = merge_mode(splits)
         extra = {}
         if mode == "grid":
-            bd = _merge_cols(D, B * Hq, sm)
-            extra = dict(GRID=G * (D // bd if bd else 1), S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=bd)
+            extra = merge_shape(splits)
+            extra["GRID"] = G * (D // extra["BD"] if extra["BD"] else 1)  # merge programs a (row, KV head)
             # the merge programs wait for the splits: they must leave the splits room on the
             # GPU whatever order it starts programs in (half its slots; the interpreter runs
             # them after their splits)
@@ -1026,9 +1032,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         if splits > 1 and not fmt.rotate:
             out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
             lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
-            per_head = math.ceil(splits / tree) + 1 if tree else 1  # a counter per group, and one for the groups
-            if mode == "grid":
-                per_head = 2  # the splits stored, the merge programs done
+            # grid: the splits stored, the merge programs done; tree: a counter per group, and one for the groups
+            per_head = 2 if mode == "grid" else (math.ceil(splits / tree) + 1 if tree else 1)
             count = _counters(q.device, B * H * per_head) if mode in ("kernel", "grid") else table
         args = (q2, qr, table, start if start is not None else table,
                 view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
@@ -1056,8 +1061,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         out, total_lse = _merge_rotated(o, o_r, lse, hmat)
         return out[:, :, None].to(q.dtype), (total_lse if return_lse else None)
     if mode == "launch":
-        bd = _merge_cols(D, B * Hq, sm)
-        _merge_kernel[(B * Hq, D // bd if bd else 1)](
+        shape = merge_shape(splits)
+        _merge_kernel[(B * Hq, D // shape["BD"] if shape["BD"] else 1)](
             o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            HQ=Hq, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=bd, num_warps=4, **pdl)
+            HQ=Hq, D=D, **shape, num_warps=4, **pdl)
     return out, (lout if return_lse else None)
