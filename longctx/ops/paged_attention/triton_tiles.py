@@ -529,6 +529,17 @@ def _finish(O, OR, LSE, orow, omask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, o
 
 
 @triton.jit
+def _side_rows(bh, sub, offs_p, P: tl.constexpr, PS: tl.constexpr):
+    """Pool rows of the tokens offs_p of pages at pool rows bh (block * H + head) of P tokens,
+    or with PS > P of their P-token tiles starting `sub` tokens into pages of PS; the three
+    broadcast against each other (the callers shape them)."""
+    row = bh * (PS if PS > P else P) + offs_p
+    if PS > P:
+        row += sub
+    return row
+
+
+@triton.jit
 def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
                  D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr, K_BITS: tl.constexpr,
                  DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr,
@@ -549,10 +560,7 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
     G_PAD: tl.constexpr = q30.shape[2]
     st = tl.zeros((W, P, G_PAD), tl.float32)
     corr = tl.zeros((W, DK, G_PAD), tl.float32)  # q*z - 1024 * fp16(q*s), summed once (K16 == 1)
-    tok = bh[:, None, None] * (PS if PS > P else P) + offs_p[None, :, None]
-    if PS > P:
-        tok += sub[:, None, None]
-    xk = tl.load(KC + tok * DK + offs_k[None, None, :])
+    xk = tl.load(KC + _side_rows(bh[:, None, None], sub[:, None, None], offs_p[None, :, None], P, PS) * DK + offs_k[None, None, :])
     W16: tl.constexpr = KS.dtype.element_ty.primitive_bitwidth == 16
     chan = bh[:, None] * D + PK * offs_k[None, :]  # channel PK*i of each page's head
     ksw = xk
@@ -594,9 +602,7 @@ def _side_values(VC, VS, VZ, bh, sub, p, offs_p, offs_v, P: tl.constexpr, DV: tl
     P-token tiles `sub` [W] tokens into pages of PS), dequantized in registers, and the
     probabilities p [W, G_PAD, P] in the dtype their dot takes: (pv, v0..v3)."""
     W: tl.constexpr = p.shape[0]
-    row = bh[:, None] * (PS if PS > P else P) + offs_p[None, :]  # [W, P] rows of the [N * H * block_size, ...] pool
-    if PS > P:
-        row += sub[:, None]
+    row = _side_rows(bh[:, None], sub[:, None], offs_p[None, :], P, PS)  # [W, P] rows of the [N * H * block_size, ...] pool
     xv = tl.load(VC + row[:, :, None] * DV + offs_v[None, None, :])
     VT: tl.constexpr = (tl.bfloat16 if V16 == 2 and V_BITS <= 4 and VS.dtype.element_ty == tl.bfloat16
                         else tl.float16 if V16 else tl.float32)
@@ -625,17 +631,13 @@ def _side_values_folded(VC, VS, VZ, bh, sub, pt, x0, x1, x2, x3, z_acc, alpha, o
     W: tl.constexpr = bh.shape[0]
     R: tl.constexpr = pt.shape[2]
     DG: tl.constexpr = GS // PV  # a group's columns of a sub-tile
-    STRIDE: tl.constexpr = PS if PS > P else P
-    row = bh[:, None] * STRIDE + offs_p[None, :]  # [W, P]
-    if PS > P:
-        row += sub[:, None]
+    row = _side_rows(bh[:, None], sub[:, None], offs_p[None, :], P, PS)  # [W, P]
     # code words [W * NG, DG, P]: batch entry b is page b // NG's group b % NG (loaded in this
     # shape: a reshape of the loaded tile would keep its conversion out of the dot's registers)
     offs_b = tl.arange(0, W * NG)
     bh_b = tl.reshape(tl.broadcast_to(bh[:, None], (W, NG)), (W * NG,))
-    tok = bh_b[:, None, None] * STRIDE + offs_p[None, None, :]
-    if PS > P:
-        tok += tl.reshape(tl.broadcast_to(sub[:, None], (W, NG)), (W * NG,))[:, None, None]
+    sub_b = tl.reshape(tl.broadcast_to(sub[:, None], (W, NG)), (W * NG,)) if PS > P else sub
+    tok = _side_rows(bh_b[:, None, None], sub_b[:, None, None], offs_p[None, None, :], P, PS)  # [W * NG, 1, P]
     xv = tl.load(VC + tok * DV + (offs_b % NG)[:, None, None] * DG
                  + tl.arange(0, DG)[None, :, None])
     ok = row >= 0
