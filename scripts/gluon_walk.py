@@ -64,6 +64,9 @@ def _issue(KC, VC, KS, KZ, VS, VZ, ks, vs, s0, s1, s2, s3, TABLE, j, valid, h, H
 
 @gluon.jit(do_not_specialize=["j_first", "pages"])
 def walk(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.constexpr, NBUF: gl.constexpr):
+    """Program (KV head h, split sp) walks logical blocks j_first + sp * pages onward, `pages` of
+    them, of row 0's table; writes its normalized [16, 128] output (channel order) and its
+    per-row (m, l) at program h * splits + sp."""
     h = gl.program_id(0)
     sp = gl.program_id(1)
     j0 = j_first + sp * pages
