@@ -80,6 +80,34 @@ def _issue(KC, VC, KS, KZ, VS, VZ, ks, vs, s0, s1, s2, s3, b, valid):
     cp.commit_group()
 
 
+@gluon.jit
+def _buffers(NBUF: gl.constexpr):
+    """NBUF shared-memory buffers of a page: K and V codes, K's scales and zeros, V's scales and zeros."""
+    return (gl.allocate_shared_memory(gl.int16, [NBUF, 64, 32], SH), gl.allocate_shared_memory(gl.int16, [NBUF, 64, 32], SH),
+            gl.allocate_shared_memory(gl.int16, [NBUF, 128], SH1), gl.allocate_shared_memory(gl.int16, [NBUF, 128], SH1),
+            gl.allocate_shared_memory(gl.int16, [NBUF, 64, 2], SH), gl.allocate_shared_memory(gl.int16, [NBUF, 64, 2], SH))
+
+
+@gluon.jit
+def _issue_page(KC, VC, KS, KZ, VS, VZ, kb, vb, s0, s1, s2, s3, u, b, valid):
+    """_issue into buffer u of the six."""
+    _issue(KC, VC, KS, KZ, VS, VZ, kb.index(u), vb.index(u), s0.index(u), s1.index(u), s2.index(u), s3.index(u), b, valid)
+
+
+@gluon.jit
+def _nibbles(w):
+    """int16 code words -> their four nibble tiles as fp16 1024 + c (even) and 1024 + 16c (odd)."""
+    return gl.inline_asm_elementwise(NIB, "=r,=r,=r,=r,r", [w], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _k_operand(w):
+    """K's code words [64 tokens, 32] (layout WL) -> the K dot's second operand [128 (k order), 64 tokens]."""
+    c0, c1, c2, c3 = _nibbles(w)
+    kt = gl.reshape(gl.join(gl.join(c0, c1), gl.join(c2, c3)), [64, 4, 4, 2, 2, 2])  # token, t, i, p, ra, rb (nibble 2 rb + ra)
+    return gl.convert_layout(gl.reshape(gl.permute(kt, [2, 4, 5, 1, 3, 0]), [128, 64]), DB, assert_trivial=True)
+
+
 @gluon.jit(do_not_specialize=["j_first", "pages"])
 def walk(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.constexpr, NBUF: gl.constexpr,
          G: gl.constexpr = 4, QVEC: gl.constexpr = False, IDS_AHEAD: gl.constexpr = False):
@@ -93,15 +121,10 @@ def walk(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.conste
     h = gl.program_id(0)
     sp = gl.program_id(1)
     j0 = j_first + sp * pages
-    kbuf = gl.allocate_shared_memory(gl.int16, [NBUF, 64, 32], SH)
-    vbuf = gl.allocate_shared_memory(gl.int16, [NBUF, 64, 32], SH)
-    sb0 = gl.allocate_shared_memory(gl.int16, [NBUF, 128], SH1)
-    sb1 = gl.allocate_shared_memory(gl.int16, [NBUF, 128], SH1)
-    sb2 = gl.allocate_shared_memory(gl.int16, [NBUF, 64, 2], SH)
-    sb3 = gl.allocate_shared_memory(gl.int16, [NBUF, 64, 2], SH)
+    kbuf, vbuf, sb0, sb1, sb2, sb3 = _buffers(NBUF)
     for i in gl.static_range(NBUF - 1):
         b = gl.load(TABLE + j0 + gl.minimum(i, pages - 1)).to(gl.int64) * H + h
-        _issue(KC, VC, KS, KZ, VS, VZ, kbuf.index(i), vbuf.index(i), sb0.index(i), sb1.index(i), sb2.index(i), sb3.index(i), b, i < pages)
+        _issue_page(KC, VC, KS, KZ, VS, VZ, kbuf, vbuf, sb0, sb1, sb2, sb3, i, b, i < pages)
     b = gl.load(TABLE + j0 + gl.minimum(NBUF - 1, pages - 1)).to(gl.int64) * H + h  # (IDS_AHEAD) the next copies' page
     if QVEC:
         QL: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [1, 1], [1, 0])
@@ -123,17 +146,12 @@ def walk(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.conste
         nxt = i + NBUF - 1
         if not IDS_AHEAD:
             b = gl.load(TABLE + j0 + gl.minimum(nxt, pages - 1)).to(gl.int64) * H + h
-        _issue(KC, VC, KS, KZ, VS, VZ, kbuf.index(nxt % NBUF), vbuf.index(nxt % NBUF), sb0.index(nxt % NBUF),
-               sb1.index(nxt % NBUF), sb2.index(nxt % NBUF), sb3.index(nxt % NBUF), b, nxt < pages)
+        _issue_page(KC, VC, KS, KZ, VS, VZ, kbuf, vbuf, sb0, sb1, sb2, sb3, nxt % NBUF, b, nxt < pages)
         if IDS_AHEAD:
             b = gl.load(TABLE + j0 + gl.minimum(nxt + 1, pages - 1)).to(gl.int64) * H + h
         cp.wait_group(NBUF - 1)
         gl.thread_barrier()
-        w = kbuf.index(i % NBUF).load(WL)
-        c0, c1, c2, c3 = gl.inline_asm_elementwise(NIB, "=r,=r,=r,=r,r", [w], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
-        kt = gl.reshape(gl.join(gl.join(c0, c1), gl.join(c2, c3)), [64, 4, 4, 2, 2, 2])  # token, t, i, p, ra, rb (nibble 2 rb + ra)
-        kt = gl.convert_layout(gl.reshape(gl.permute(kt, [2, 4, 5, 1, 3, 0]), [128, 64]), DB, assert_trivial=True)
-        s = mma_v2(q, kt, gl.zeros([16, 64], gl.float32, MMA))
+        s = mma_v2(q, _k_operand(kbuf.index(i % NBUF).load(WL)), gl.zeros([16, 64], gl.float32, MMA))
         m_new = gl.maximum(m, gl.max(s, 1))
         alpha = gl.exp2(m - m_new)
         p = gl.exp2(s - m_new[:, None])
@@ -141,7 +159,7 @@ def walk(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.conste
         m = m_new
         pa = gl.convert_layout(p.to(gl.float16), DA, assert_trivial=True)
         vw = vbuf.index(i % NBUF).load(DB)  # [64 tokens, 32 words], token pairs in a register (ldmatrix .trans)
-        v0, v1, v2, v3 = gl.inline_asm_elementwise(NIB, "=r,=r,=r,=r,r", [vw], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
+        v0, v1, v2, v3 = _nibbles(vw)
         a = alpha[:, None]
         o0 = mma_v2(pa, v0, o0 * a)
         o1 = mma_v2(pa, v1, o1 * a)
@@ -175,11 +193,6 @@ def _bf16(x):
     return x.to(gl.bfloat16, bitcast=True).to(gl.float32)
 
 
-@gluon.jit
-def _nibbles(w):
-    return gl.inline_asm_elementwise(NIB, "=r,=r,=r,=r,r", [w], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
-
-
 @gluon.jit(do_not_specialize=["j_first", "pages"])
 def attend(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.constexpr, NBUF: gl.constexpr, G: gl.constexpr = 4):
     """The walk with the scales: attention of 16 query rows (the first G real) over the pages
@@ -194,15 +207,10 @@ def attend(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.cons
     h = gl.program_id(0)
     sp = gl.program_id(1)
     j0 = j_first + sp * pages
-    kbuf = gl.allocate_shared_memory(gl.int16, [NBUF, 64, 32], SH)
-    vbuf = gl.allocate_shared_memory(gl.int16, [NBUF, 64, 32], SH)
-    ksb = gl.allocate_shared_memory(gl.int16, [NBUF, 128], SH1)
-    kzb = gl.allocate_shared_memory(gl.int16, [NBUF, 128], SH1)
-    vsb = gl.allocate_shared_memory(gl.int16, [NBUF, 64, 2], SH)
-    vzb = gl.allocate_shared_memory(gl.int16, [NBUF, 64, 2], SH)
+    kbuf, vbuf, ksb, kzb, vsb, vzb = _buffers(NBUF)
     for i in gl.static_range(NBUF - 1):
         b = gl.load(TABLE + j0 + gl.minimum(i, pages - 1)).to(gl.int64) * H + h
-        _issue(KC, VC, KS, KZ, VS, VZ, kbuf.index(i), vbuf.index(i), ksb.index(i), kzb.index(i), vsb.index(i), vzb.index(i), b, i < pages)
+        _issue_page(KC, VC, KS, KZ, VS, VZ, kbuf, vbuf, ksb, kzb, vsb, vzb, i, b, i < pages)
     rq = gl.arange(0, 16, layout=gl.SliceLayout(1, DA))
     kq = gl.arange(0, 128, layout=gl.SliceLayout(0, DA))
     q = gl.load(Q + (h * 16 + rq[:, None]) * 128 + kq[None, :])
@@ -231,15 +239,12 @@ def attend(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.cons
     for i in range(pages):
         gl.thread_barrier()  # every lane has read the buffer the next copies overwrite
         nxt = i + NBUF - 1
-        c = nxt % NBUF
-        _issue(KC, VC, KS, KZ, VS, VZ, kbuf.index(c), vbuf.index(c), ksb.index(c), kzb.index(c), vsb.index(c), vzb.index(c), b, nxt < pages)
+        _issue_page(KC, VC, KS, KZ, VS, VZ, kbuf, vbuf, ksb, kzb, vsb, vzb, nxt % NBUF, b, nxt < pages)
         b = gl.load(TABLE + j0 + gl.minimum(nxt + 1, pages - 1)).to(gl.int64) * H + h
         cp.wait_group(NBUF - 1)
         gl.thread_barrier()
         u = i % NBUF
-        c0, c1, c2, c3 = _nibbles(kbuf.index(u).load(WL))
-        kt = gl.reshape(gl.join(gl.join(c0, c1), gl.join(c2, c3)), [64, 4, 4, 2, 2, 2])  # token, t, i, p, ra, rb
-        kt = gl.convert_layout(gl.reshape(gl.permute(kt, [2, 4, 5, 1, 3, 0]), [128, 64]), DB, assert_trivial=True)
+        kt = _k_operand(kbuf.index(u).load(WL))
         sk = gl.convert_layout(logical_k(_bf16(ksb.index(u).load(XK))), gl.SliceLayout(0, DA), assert_trivial=True)
         zk = gl.convert_layout(logical_k(_bf16(kzb.index(u).load(XK))), gl.SliceLayout(1, DB), assert_trivial=True)
         a = q * sk.to(gl.float16)[None, :]
