@@ -108,6 +108,16 @@ def _k_operand(w):
     return gl.convert_layout(gl.reshape(gl.permute(kt, [2, 4, 5, 1, 3, 0]), [128, 64]), DB, assert_trivial=True)
 
 
+@gluon.jit
+def _softmax_step(s, m, l):
+    """Online base-2 softmax over a page's scores s [16, 64]: the new max and sum, the
+    probabilities and the old state's factor."""
+    m_new = gl.maximum(m, gl.max(s, 1))
+    alpha = gl.exp2(m - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    return m_new, l * alpha + gl.sum(p, 1), p, alpha
+
+
 @gluon.jit(do_not_specialize=["j_first", "pages"])
 def walk(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.constexpr, NBUF: gl.constexpr,
          G: gl.constexpr = 4, QVEC: gl.constexpr = False, IDS_AHEAD: gl.constexpr = False):
@@ -152,11 +162,7 @@ def walk(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.conste
         cp.wait_group(NBUF - 1)
         gl.thread_barrier()
         s = mma_v2(q, _k_operand(kbuf.index(i % NBUF).load(WL)), gl.zeros([16, 64], gl.float32, MMA))
-        m_new = gl.maximum(m, gl.max(s, 1))
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l = l * alpha + gl.sum(p, 1)
-        m = m_new
+        m, l, p, alpha = _softmax_step(s, m, l)
         pa = gl.convert_layout(p.to(gl.float16), DA, assert_trivial=True)
         vw = vbuf.index(i % NBUF).load(DB)  # [64 tokens, 32 words], token pairs in a register (ldmatrix .trans)
         v0, v1, v2, v3 = _nibbles(vw)
@@ -254,11 +260,7 @@ def attend(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.cons
         corr = gl.join(corr, corr)
         corr = gl.convert_layout(gl.reshape(gl.permute(corr, [0, 4, 3, 2, 1]), [16, 64]), MMA, assert_trivial=True)
         s = mma_v2(a, kt, corr)
-        m_new = gl.maximum(m, gl.max(s, 1))
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l = l * alpha + gl.sum(p, 1)
-        m = m_new
+        m, l, p, alpha = _softmax_step(s, m, l)
         sv0, sv1 = gl.split(_bf16(vsb.index(u).load(SV2)))
         zv0, zv1 = gl.split(_bf16(vzb.index(u).load(SV2)))
         sv0 = gl.convert_layout(sv0, gl.SliceLayout(0, MMA), assert_trivial=True)
