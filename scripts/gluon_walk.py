@@ -21,7 +21,7 @@ the same pages. Gluon is triton 3.6's (the GPU image's); the CPU interpreter doe
   PYTHONPATH=/tmp/t36 python3 scripts/gluon_walk.py --sass   # compile for sm_90 without a GPU, count the loop's SASS
   python3 scripts/gluon_walk.py --nbuf 2 3                   # on the GPU: check, then time against the decode call
   python3 scripts/gluon_walk.py --nbuf 2 --ab G=16 QVEC=True --rounds 2   # option sets of the walk, in turn
-  python3 scripts/gluon_walk.py --nbuf 2 --ab ATTEND=True                 # and the walk with the scales (attend)
+  python3 scripts/gluon_walk.py --nbuf 2 --ab ATTEND=True "ATTEND=True,F16=True"   # with the scales (attend), bf16 and fp16
 """
 import argparse
 import ast
@@ -194,13 +194,18 @@ def logical_k(x):
 
 
 @gluon.jit
-def _bf16(x):
-    """int16 words of bf16 values -> fp32."""
-    return x.to(gl.bfloat16, bitcast=True).to(gl.float32)
+def _scales(x, F16: gl.constexpr):
+    """int16 words of scales or zeros -> fp16 values (F16), or bf16 values widened to fp32."""
+    if F16:
+        y = x.to(gl.float16, bitcast=True)
+    else:
+        y = x.to(gl.bfloat16, bitcast=True).to(gl.float32)
+    return y
 
 
 @gluon.jit(do_not_specialize=["j_first", "pages"])
-def attend(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.constexpr, NBUF: gl.constexpr, G: gl.constexpr = 4):
+def attend(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.constexpr, NBUF: gl.constexpr, G: gl.constexpr = 4,
+           F16: gl.constexpr = False):
     """The walk with the scales: attention of 16 query rows (the first G real) over the pages
     with their bf16 scales and zero points, as the decode kernel's side loop computes it:
     - K: the query (fp16, the K dot's k order, /16 where the codes are 1024 + 16c) times K's
@@ -209,7 +214,10 @@ def attend(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.cons
     - V: the probabilities times V's per-token scales in fp16, one operand a group (and /16
       for odd nibbles); sum_t p zv (a dot of fp16 p and zeros) and 1024 * the operand's sums
       taken out at the end.
-    Writes the normalized [16, 128] output in channel order and (m, l) as walk does."""
+    F16: the scales and zeros are fp16 (not bf16) and are applied in fp16 products (HMUL2)
+    without widening to fp32: the probabilities are rounded to fp16 before their product with
+    V's scales (a second rounding). Writes the normalized [16, 128] output in channel order and
+    (m, l) as walk does."""
     h = gl.program_id(0)
     sp = gl.program_id(1)
     j0 = j_first + sp * pages
@@ -251,24 +259,29 @@ def attend(KC, VC, KS, KZ, VS, VZ, TABLE, Q, OUT, ML, j_first, pages, H: gl.cons
         gl.thread_barrier()
         u = i % NBUF
         kt = _k_operand(kbuf.index(u).load(WL))
-        sk = gl.convert_layout(logical_k(_bf16(ksb.index(u).load(XK))), gl.SliceLayout(0, DA), assert_trivial=True)
-        zk = gl.convert_layout(logical_k(_bf16(kzb.index(u).load(XK))), gl.SliceLayout(1, DB), assert_trivial=True)
+        sk = gl.convert_layout(logical_k(_scales(ksb.index(u).load(XK), F16)), gl.SliceLayout(0, DA), assert_trivial=True)
+        zk = gl.convert_layout(logical_k(_scales(kzb.index(u).load(XK), F16)), gl.SliceLayout(1, DB), assert_trivial=True)
         a = q * sk.to(gl.float16)[None, :]
-        corr = mma_v2(q, (zk * fz).to(gl.float16)[:, None] + zb8, mma_v2(a, bias, gl.zeros([16, 8], gl.float32, MMA)))
+        corr = mma_v2(q, (zk * fz.to(zk.dtype)).to(gl.float16)[:, None] + zb8, mma_v2(a, bias, gl.zeros([16, 8], gl.float32, MMA)))
         corr = gl.join(corr, corr)
         corr = gl.join(corr, corr)
         corr = gl.join(corr, corr)
         corr = gl.convert_layout(gl.reshape(gl.permute(corr, [0, 4, 3, 2, 1]), [16, 64]), MMA, assert_trivial=True)
         s = mma_v2(a, kt, corr)
         m, l, p, alpha = _softmax_step(s, m, l)
-        sv0, sv1 = gl.split(_bf16(vsb.index(u).load(SV2)))
-        zv0, zv1 = gl.split(_bf16(vzb.index(u).load(SV2)))
+        sv0, sv1 = gl.split(_scales(vsb.index(u).load(SV2), F16))
+        zv0, zv1 = gl.split(_scales(vzb.index(u).load(SV2), F16))
         sv0 = gl.convert_layout(sv0, gl.SliceLayout(0, MMA), assert_trivial=True)
         sv1 = gl.convert_layout(sv1, gl.SliceLayout(0, MMA), assert_trivial=True)
         zv0 = gl.convert_layout(zv0, gl.SliceLayout(1, DB), assert_trivial=True)
         zv1 = gl.convert_layout(zv1, gl.SliceLayout(1, DB), assert_trivial=True)
-        pe0 = gl.convert_layout((p * sv0[None, :]).to(gl.float16), DA, assert_trivial=True)
-        pe1 = gl.convert_layout((p * sv1[None, :]).to(gl.float16), DA, assert_trivial=True)
+        if F16:
+            ph = p.to(gl.float16)
+            pe0 = gl.convert_layout(ph * sv0[None, :], DA, assert_trivial=True)
+            pe1 = gl.convert_layout(ph * sv1[None, :], DA, assert_trivial=True)
+        else:
+            pe0 = gl.convert_layout((p * sv0[None, :]).to(gl.float16), DA, assert_trivial=True)
+            pe1 = gl.convert_layout((p * sv1[None, :]).to(gl.float16), DA, assert_trivial=True)
         po0 = pe0 * 0.0625
         po1 = pe1 * 0.0625
         p16 = gl.convert_layout(p.to(gl.float16), DA, assert_trivial=True)
@@ -365,7 +378,7 @@ def compile_sass(fn, opts):
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {n: "*i16" for n in ("KC", "VC", "KS", "KZ", "VS", "VZ")}
     sig.update(TABLE="*i32", Q="*fp16", OUT="*fp32", ML="*fp32", j_first="i32", pages="i32")
-    defaults = {"G": 4, "QVEC": False, "IDS_AHEAD": False} if fn is walk else {"G": 4}
+    defaults = {"G": 4, "QVEC": False, "IDS_AHEAD": False} if fn is walk else {"G": 4, "F16": False}
     src = GluonASTSource(fn, sig, {"H": 8, **defaults, **opts}, {(i,): [["tt.divisibility", 16]] for i in range(10)})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -438,6 +451,11 @@ def time_context(T, S, sets, rounds, check_all, dev, H=8, D=128):
     ml = torch.empty(H * S * 16, 2, device=dev)
     qd = torch.randn(1, 4 * H, 1, D, device=dev, dtype=torch.bfloat16)
 
+    half = {}  # fp16 copies of the scales, made once (F16)
+    if any(o.get("F16") for _, o in sets):
+        for v in views:
+            for x in (v.pages.k_scale, v.pages.k_zero, v.pages.v_scale, v.pages.v_zero):
+                half[id(x)] = x.half().view(torch.int16)
     qa = torch.randn(H, 16, D, device=dev).half()  # attend: base-2 scores of a few units
     qa[:, 4:] = 0
 
@@ -445,7 +463,9 @@ def time_context(T, S, sets, rounds, check_all, dev, H=8, D=128):
         p = v.pages
         w = [x.view(torch.int16) for x in (p.k_codes, p.v_codes, p.k_scale, p.k_zero, p.v_scale, p.v_zero)]
         if opts.get("ATTEND"):
-            attend[(H, S)](*w, v.block_table, q, out, ml, v.n_sink, n, H=H, NBUF=opts["NBUF"], num_warps=1)
+            if opts.get("F16"):  # the same bytes, as fp16 (the bench's bf16 values rounded)
+                w = w[:2] + [half[id(x)] for x in (p.k_scale, p.k_zero, p.v_scale, p.v_zero)]
+            attend[(H, S)](*w, v.block_table, q, out, ml, v.n_sink, n, H=H, NBUF=opts["NBUF"], F16=opts.get("F16", False), num_warps=1)
         else:
             walk[(H, S)](*w, v.block_table, q, out, ml, v.n_sink, n, H=H, num_warps=1, **opts)
 
