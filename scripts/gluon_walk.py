@@ -401,12 +401,24 @@ def compile_sass(fn, opts):
 def variants(nbufs, ab):
     """[(label, walk's compile-time options)]: each buffer count, then each --ab set
     ("KEY=VALUE,...") over the first buffer count."""
+    known = {"walk": ("NBUF", "G", "QVEC", "IDS_AHEAD"), "attend": ("NBUF", "G", "F16")}
     out = [(f"{n} buffers", {"NBUF": n}) for n in nbufs]
     for text in ab:
         opts = {"NBUF": nbufs[0]}
         for item in text.split(","):
-            key, value = item.split("=")
-            opts[key.strip()] = ast.literal_eval(value.strip())
+            key, sep, value = item.partition("=")
+            try:
+                opts[key.strip()] = ast.literal_eval(value.strip())
+            except (ValueError, SyntaxError):
+                sep = ""
+            if not sep:
+                raise SystemExit(f"--ab {text!r}: {item!r} is not KEY=VALUE (a Python literal)")
+        kernel = "attend" if opts.pop("ATTEND", False) else "walk"
+        bad = sorted(set(opts) - set(known[kernel]))
+        if bad:
+            raise SystemExit(f"--ab {text!r}: {kernel} has no option {', '.join(bad)}; it takes {', '.join(known[kernel])}")
+        if kernel == "attend":
+            opts["ATTEND"] = True
         out.append((text, opts))
     return out
 
@@ -465,7 +477,7 @@ def time_context(T, S, sets, rounds, check_all, dev, H=8, D=128):
         if opts.get("ATTEND"):
             if opts.get("F16"):  # the same bytes, as fp16 (the bench's bf16 values rounded)
                 w = w[:2] + [half[id(x)] for x in (p.k_scale, p.k_zero, p.v_scale, p.v_zero)]
-            attend[(H, S)](*w, v.block_table, q, out, ml, v.n_sink, n, H=H, NBUF=opts["NBUF"], F16=opts.get("F16", False), num_warps=1)
+            attend[(H, S)](*w, v.block_table, q, out, ml, v.n_sink, n, H=H, num_warps=1, **{k: x for k, x in opts.items() if k != "ATTEND"})
         else:
             walk[(H, S)](*w, v.block_table, q, out, ml, v.n_sink, n, H=H, num_warps=1, **opts)
 
