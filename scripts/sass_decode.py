@@ -43,14 +43,14 @@ def compile_decode(a):
     names = list(inspect.signature(fn.fn).parameters)
     words = a.words and a.bits in (4, 8)
     code = "*i16" if words else "*u8"
-    ptrs = dict(POINTERS, KC=code, VC=code)
+    ptrs = dict(POINTERS, KC=code, VC=code, **{n: f"*{a.scales}" for n in ("KS", "KZ", "VS", "VZ")})
     G = a.q_heads // a.kv_heads
     gm = triton.next_power_of_2(G)
     const = dict(H=a.kv_heads, G=G, G_PAD=max(a.g_pad, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.bits, GS=a.group_size,
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
                  PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
-                 SKIP=bool(a.skip), STAMPS=None, PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
+                 SKIP=bool(a.skip), STAMPS=None, TINY_CODES=bool(a.tiny and a.wp), PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
     const.update(GRID=0, S_PAD=0, SC=0, BD=0)
     if a.merge == "grid":  # merge programs after the splits in the same grid (TUNE merge "grid")
         const.update(GRID=G * (a.head_dim // a.merge_cols if a.merge_cols else 1), S_PAD=max(2, triton.next_power_of_2(a.grid_splits)),
@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--rotate", action="store_true")
+    ap.add_argument("--scales", default="bf16", choices=("bf16", "fp16", "fp32"), help="dtype of the scales and zero points")
     ap.add_argument("--g-pad", type=int, default=16, help="pad the query heads of a KV head to at least this many rows")
     ap.add_argument("--warps", type=int, default=K.TUNE["num_warps"])
     ap.add_argument("--stages", type=int, default=K.TUNE["num_stages"])
@@ -125,6 +126,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=0, help="side by side: programs without sinks or tail skip their loops (TUNE side_skip)")
     ap.add_argument("--mask", type=int, default=None, help="side by side: mask the scores (default: the launcher's rule for a "
                     "batch without padding, TUNE side_unmasked)")
+    ap.add_argument("--tiny", type=int, default=int(K.TUNE["side_tiny"]), help="side by side: the codes as fp16 subnormals (TUNE side_tiny)")
     ap.add_argument("--pdl", type=int, default=0, help="launched as a programmatic dependent (TUNE pdl)")
     ap.add_argument("--merge-cols", type=int, default=0, help="with --merge-splits or --merge grid: columns a program (0: all)")
     ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")

@@ -272,6 +272,27 @@ def test_side_zdot_within_budget(case, side, vt, zdot, dtype, monkeypatch):
     assert K.LAST["side"] == side and K.LAST["svt"] == vt and K.LAST["zdot"] == (vt and zdot > 0)
 
 
+@pytest.mark.parametrize("side, k16, vt", [(1, 1, True), (2, 1, True), (1, 1, False), (1, 3, True)], ids=lambda v: str(int(v)))
+@pytest.mark.parametrize("case", SIDE_CASES + SIDE8_CASES + TILE_CASES[:2], ids=[case_id(c) for c in SIDE_CASES + SIDE8_CASES + TILE_CASES[:2]])
+@pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
+def test_side_tiny_codes_within_budget(case, side, k16, vt, dtype, monkeypatch):
+    """TUNE["side_tiny"]: the side loop's codes as fp16 subnormals (c * 2^-24; int4's odd
+    nibbles 16c * 2^-24) in K's dots against q*s (side_k16 1) and in V's transposed dots
+    (side_vt), the units taken out after the page's K dots and at the end of V's: the grid's
+    budget with int4, int8, int2 with rotation, k8v4, V groups of 16 and 32, padding, GQA 3,
+    tiles of big pages; with K dequantized in 16 bits (side_k16 3) or V not transposed only
+    the other side takes them. (On the CPU the interpreter's tiny codes go through the
+    generic conversion; the inline-PTX masks run on the GPU.)"""
+    monkeypatch.setitem(TUNE, "side_tiny", True)
+    monkeypatch.setitem(TUNE, "side", side)
+    monkeypatch.setitem(TUNE, "side_short", side)  # (programs of at most two pages)
+    monkeypatch.setitem(TUNE, "side_k16", k16)
+    monkeypatch.setitem(TUNE, "side_vt", vt)
+    monkeypatch.setitem(TUNE, "side_bits", 8)
+    test_triton_decode_within_budget(case, dtype)
+    assert K.LAST["side"] == side and K.LAST["tiny"] and K.LAST["svt"] == vt
+
+
 @pytest.mark.parametrize("skip", [False, True], ids=lambda v: f"skip{int(v)}")
 @pytest.mark.parametrize("case", SIDE_CASES + SIDE8_CASES, ids=[case_id(c) for c in SIDE_CASES + SIDE8_CASES])
 @pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])

@@ -33,7 +33,7 @@ from ...errors import BackendUnavailableError
 from ...quant import hadamard
 from ..pages import PagedView, kernel_pools
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
-from .triton_tiles import NEG_BIG, _side_values_folded, _unfold_values, _fold, _load_queries, _page_scores, _page_values, _side_scores, _side_values
+from .triton_tiles import NEG_BIG, _side_values_folded, _tiny_unit, _unfold_values, _fold, _load_queries, _page_scores, _page_values, _side_scores, _side_values
 from .triton_tiles import _softmax_step, _step_ids, _zero_state
 
 
@@ -53,7 +53,7 @@ def _decode_kernel(
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
     ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
     STAMPS=None, PDL: tl.constexpr = False, GRID: tl.constexpr = 0, S_PAD: tl.constexpr = 0, SC: tl.constexpr = 0,
-    BD: tl.constexpr = 0,
+    BD: tl.constexpr = 0, TINY_CODES: tl.constexpr = False,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -68,7 +68,9 @@ def _decode_kernel(
     GRID > 0 (TUNE["merge"] "grid"): the grid has GRID more programs a (row, KV head) after its
     n_splits splits (program_id(1) n_splits ..), each merging one query head's columns (BD of
     them, or all D; S_PAD, SC as `_merge_head`) once the splits' counter (COUNT, two int32 a
-    row and KV head, zeros, left at zero) says that all of them have stored their partials."""
+    row and KV head, zeros, left at zero) says that all of them have stored their partials.
+    TINY_CODES (TUNE["side_tiny"]): the side loop's K (K16 1) and V (SVT) dots take the codes
+    as fp16 subnormals (triton_tiles' tiny form) rather than biased or exact ones."""
     if GRID > 0:  # noqa: SIM102 (a constexpr test alone: without merge programs none of this compiles)
         if tl.program_id(1) >= n_splits:
             _grid_merge(O, LSE, OUT, LOUT, COUNT, tl.program_id(0), tl.program_id(1) - n_splits, n_splits,
@@ -134,7 +136,7 @@ def _decode_kernel(
         m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _sealed_side(
             KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start,
             qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
-            H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP, SVT, ZDOT, MASK)
+            H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP, SVT, ZDOT, MASK, TINY_CODES)
     else:  # PAGES of them per iteration (more loads in flight per program): K scores per
         # page (_page_scores) joined into one [G_PAD, PAGES*P] tile whose token t is page
         # t % PAGES, row t // PAGES; V rows are loaded in that order.
@@ -342,14 +344,16 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start, qp0, qp1, 
                  H: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr,
                  V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                  K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr, ASM: tl.constexpr, PK: tl.constexpr,
-                 PV: tl.constexpr, WP: tl.constexpr, SVT: tl.constexpr, ZDOT: tl.constexpr, MASK: tl.constexpr):
+                 PV: tl.constexpr, WP: tl.constexpr, SVT: tl.constexpr, ZDOT: tl.constexpr, MASK: tl.constexpr,
+                 TINY_CODES: tl.constexpr = False):
     """The sealed (quantized) blocks j0 .. j1 - 1 of a row's table (trow; ids [WP]: the block
     ids of the first step), WP tiles of at most 64 tokens side by side a step (triton_tiles'
     _side_*; a page of P > 64 tokens is P // 64 tiles, which share its K scales): each keeps its
     own online softmax over the tiles it sees, and the WP states fold into the program's (m_i,
     l_i, accumulators) at the end; with ROTATE the sealed pages' share goes to the rotated
     accumulators r0..r3. MASK False (the launcher's rule, TUNE["side_unmasked"]: one page a
-    step and no left padding, where no score is masked) leaves out the masking."""
+    step and no left padding, where no score is masked) leaves out the masking. TINY_CODES: K's
+    and V's codes go into their dots as fp16 subnormals (K16 1 and SVT only)."""
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
@@ -379,7 +383,8 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start, qp0, qp1, 
         bh = ids.to(tl.int64) * H + h
         sub = ((u + offs_w) % R) * T  # the tile's first token in its page (R > 1)
         ids = _side_ids(trow, u + WP, j1, WP, R)
-        s = _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k, D, T, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT, P)
+        s = _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k, D, T, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT, P,
+                         TINY_CODES)
         if MASK:
             tile = u + offs_w  # the tile's first token is the row's token tile * T
             keep = (tile < j1 * R)[:, None] & (tile[:, None] * T + offs_p[None, :] >= start)
@@ -387,15 +392,15 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start, qp0, qp1, 
         mw, lw, p, alpha = _softmax_step(s, mw, lw)
         if SVT:
             x0, x1, x2, x3, z_acc = _side_values_folded(VC, VS, VZ, bh, sub, tl.permute(p, (0, 2, 1)), x0, x1, x2, x3, z_acc, alpha,
-                                                        offs_p, T, DV, PV, NG, GS, V_BITS, ASM, ZDOT, P)
+                                                        offs_p, T, DV, PV, NG, GS, V_BITS, ASM, ZDOT, P, TINY_CODES)
         else:
             pv, v0, v1, v2, v3 = _side_values(VC, VS, VZ, bh, sub, p, offs_p, offs_v, T, DV, PV, NG, GS, V_BITS, V16, DOT, ASM, P)
             w0, w1, w2, w3 = _acc(w0, w1, w2, w3, alpha, pv, v0, v1, v2, v3, PV, PREC)
     if SVT:
-        w0 = _unfold_values(x0, z_acc, NG)
-        w1 = _unfold_values(x1, z_acc, NG)
-        w2 = _unfold_values(x2, z_acc, NG)
-        w3 = _unfold_values(x3, z_acc, NG)
+        w0 = _unfold_values(x0, z_acc, NG, _tiny_unit(0, V_BITS, TINY_CODES))
+        w1 = _unfold_values(x1, z_acc, NG, _tiny_unit(1, V_BITS, TINY_CODES))
+        w2 = _unfold_values(x2, z_acc, NG, _tiny_unit(2, V_BITS, TINY_CODES))
+        w3 = _unfold_values(x3, z_acc, NG, _tiny_unit(3, V_BITS, TINY_CODES))
     m_new = tl.maximum(m_i, tl.max(mw, 0))
     c_in = tl.exp2(m_i - m_new)
     c_w = tl.exp2(mw - m_new[None, :])
@@ -694,7 +699,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # 48.3 us against 101.2, 100.5 through the 2-D loop (2.61x against 1.25x SDPA); 512k 163.2,
 # 163.7 against 334.2, 334.8; batch 8 at 32k 86.5 against 185.5: as fast as pages of 64.
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, pdl=False,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=False, pdl=False,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -841,7 +846,7 @@ def _side(fmt, short: bool) -> int:
                      ("side_dense", (16, 32)), ("side_zdot", (0, 4, 8)), ("side_unmasked", (0, 4, 8))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
-    for name in ("side_vt", "side_apart", "side_skip", "side_tiles", "pdl"):
+    for name in ("side_vt", "side_apart", "side_skip", "side_tiles", "side_tiny", "pdl"):
         if TUNE[name] not in (False, True):
             raise ValueError(f"TUNE[{name!r}] must be True or False, got {TUNE[name]!r}")
     if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or (fmt.block_size > SIDE_TILE and not TUNE["side_tiles"]):
@@ -971,6 +976,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and fmt.v_bits <= TUNE["side_zdot"],
                   SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
+                  TINY_CODES=bool(side) and TUNE["side_tiny"],
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     # programmatic dependent launch (sm_90+): each launch may start while the one before it
@@ -1045,7 +1051,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
             return _decode_kernel.warmup(*args, grid=grid, MERGE=merge, TREE=tree, **extra, **consts)
         stamps = {} if STAMP is None else dict(STAMPS=STAMP)
         LAST.update(kernel=_decode_kernel[grid](*args, MERGE=merge, TREE=tree, **extra, **stamps, **consts), grid=grid, side=side, k16=k16,
-                    svt=svt, zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"], merge=mode)
+                    svt=svt, zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"], merge=mode,
+                    tiny=consts["TINY_CODES"])
         return splits, merged, mode, o, o_r, lse, out, lout
 
     if splits is None:

@@ -24,6 +24,16 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # recent GPUs, and the bound of the first kernels): OR-ing a code c < 2^10 into the bits of
 # fp16 1024.0 gives the fp16 1024 + c exactly; into fp32 2^23, the fp32 2^23 + c. The fp16
 # form goes straight into tensor-core dots, its 1024 offset folded into the zero-point term.
+# The "tiny" form takes no OR at all: a code c < 2^10 as the bits of an fp16 is the subnormal
+# c * 2^-24, exact, and the tensor cores multiply subnormal fp16 operands exactly, so a dot
+# against tiny codes is the dot against the codes times 2^-24 (2^-20 for the odd nibbles of
+# int4, which stay in place: c * 16 * 2^-24), taken out once after the page's dots (K) or at
+# the end of the loop (V), where the exact form pays an f16x2 subtract a pair of codes.
+
+# Forms of the fp16 codes (_codes_f16n): exact c, biased 1024 + c, tiny c * 2^-24.
+EXACT = tl.constexpr(0)
+BIASED = tl.constexpr(1)
+TINY = tl.constexpr(2)
 
 
 @triton.jit
@@ -38,6 +48,25 @@ def _code(x, r: tl.constexpr, BITS: tl.constexpr):
 def _f32(x, r: tl.constexpr, BITS: tl.constexpr):
     """Sub-tile r as fp32 codes, exact: (2^23 + c) - 2^23."""
     return (_code(x, r, BITS).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _f16_tiny(x, r: tl.constexpr, BITS: tl.constexpr):
+    """Sub-tile r as the fp16 subnormal c * 2^-24, or c * 2^-20 for the odd nibbles of int4
+    (what the tiny nibble blocks give: 16 * c, left in place), exact (_tiny_unit)."""
+    c = _code(x, r, BITS).to(tl.int16)
+    if BITS == 4 and r % 2 == 1:
+        c = c << 4
+    return c.to(tl.float16, bitcast=True)
+
+
+@triton.constexpr_function
+def _tiny_unit(r, bits, tiny=True):
+    """What a tiny code of sub-tile r stands for: 2^-24 a unit, 2^-20 for int4's odd nibbles
+    (1 where tiny is False: other forms are in units of 1)."""
+    if not tiny:
+        return 1.0
+    return 2.0 ** -20 if bits == 4 and r % 2 == 1 else 2.0 ** -24
 
 
 @triton.jit
@@ -62,7 +91,7 @@ def _asm16(x, r: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
     """Sub-tile r of int16 code words as DT codes, exact, GPU only: fp16 for 4 or 8 bits,
     bf16 for 4 bits (its 7 mantissa bits hold 128 + c for c < 128 only)."""
     if BITS == 8:
-        asm: tl.constexpr = _asm_bytes(r, 1, True)
+        asm: tl.constexpr = _asm_bytes(r, 1, 0)
     else:
         asm: tl.constexpr = _asm_int4(r, DT == tl.bfloat16)
     if DT == tl.bfloat16:
@@ -73,35 +102,41 @@ def _asm16(x, r: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
 
 
 # Nibbles (GPU): two int16 words of int4 codes per 32-bit register -> fp16 pairs of sub-tiles
-# first .. first + n - 1 in one inline-PTX block: nibbles 0 and 2 (the latter after one shift
-# by 8) OR-ed into fp16 1024 give 1024 + c, nibbles 1 and 3 give 1024 + 16c. Biased blocks
-# leave them so (the caller folds 1/16 and the 1024 offset into its other operand); exact ones
-# turn them into c (a subtract, or an FMA by 1/16 and -64). Several sub-tiles a block share the
+# first .. first + n - 1 in one inline-PTX block (form: 0 exact, 1 biased, 2 tiny): nibbles 0
+# and 2 (the latter after one shift by 8) OR-ed into fp16 1024 give 1024 + c, nibbles 1 and 3
+# give 1024 + 16c. Biased blocks leave them so (the caller folds 1/16 and the 1024 offset into
+# its other operand); exact ones turn them into c (a subtract, or an FMA by 1/16 and -64). Tiny
+# blocks only mask: c * 2^-24 and 16c * 2^-24 (_tiny_unit). Several sub-tiles a block share the
 # shift; fewer keep fewer converted tiles live at once (registers).
 @triton.constexpr_function
-def _asm_nibbles(first, n, exact):
+def _asm_nibbles(first, n, form):
     src, body = f"${n}", ""
     for i, r in enumerate(range(first, first + n)):
         if r == 2 or (r == 3 and first == 3):
             body += f"shr.b32 t, {src}, 8; "
         mask = "0x00F000F0" if r % 2 else "0x000F000F"
-        body += f"lop3.b32 ${i}, {'t' if r >= 2 else src}, {mask}, 0x64006400, 0xea; "
-        if exact:
+        word = "t" if r >= 2 else src
+        if form == 2:
+            body += f"and.b32 ${i}, {word}, {mask}; "
+            continue
+        body += f"lop3.b32 ${i}, {word}, {mask}, 0x64006400, 0xea; "
+        if form == 0:
             body += f"fma.rn.f16x2 ${i}, ${i}, u, w; " if r % 2 else f"sub.f16x2 ${i}, ${i}, k; "
-    consts = "mov.b32 k, 0x64006400; mov.b32 u, 0x2C002C00; mov.b32 w, 0xD400D400; " if exact else ""
+    consts = "mov.b32 k, 0x64006400; mov.b32 u, 0x2C002C00; mov.b32 w, 0xD400D400; " if form == 0 else ""
     return "{ .reg .b32 t, k, u, w; " + consts + body + "}"
 
 
 # Bytes (GPU): two int16 words of int8 codes per 32-bit register -> the fp16 pairs of sub-tiles
-# first .. first + n - 1 (both, or one) in one inline-PTX block: a PRMT puts byte r of each word
-# next to a 0x64 byte (fp16 1024 + c); exact blocks then subtract 1024 (an f16x2 subtract a
-# pair).
+# first .. first + n - 1 (both, or one) in one inline-PTX block (form as _asm_nibbles): a PRMT
+# puts byte r of each word next to a 0x64 byte (fp16 1024 + c); exact blocks then subtract 1024
+# (an f16x2 subtract a pair). Tiny blocks put a zero byte there instead (c * 2^-24).
 @triton.constexpr_function
-def _asm_bytes(first, n, exact):
+def _asm_bytes(first, n, form):
     body = ""
     for i, r in enumerate(range(first, first + n)):
-        body += f"prmt.b32 ${i}, ${n}, k, {'0x4341' if r else '0x4240'}; " + (f"sub.f16x2 ${i}, ${i}, m; " if exact else "")
-    return "{ .reg .b32 k, m; mov.b32 k, 0x64646464; mov.b32 m, 0x64006400; " + body + "}"
+        body += f"prmt.b32 ${i}, ${n}, k, {'0x4341' if r else '0x4240'}; " + (f"sub.f16x2 ${i}, ${i}, m; " if form == 0 else "")
+    high = "0x00000000" if form == 2 else "0x64646464"
+    return "{ .reg .b32 k, m; mov.b32 k, " + high + "; mov.b32 m, 0x64006400; " + body + "}"
 
 
 @triton.jit
@@ -115,22 +150,22 @@ def _f16_biased(x, r: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _codes_f16n(x, first: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr):
+def _codes_f16n(x, first: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, FORM: tl.constexpr):
     """Sub-tiles first .. first + n - 1 of code words x as fp16 (a 4-tuple, the rest repeating
-    the first): exact codes, or with BIASED as _f16_biased gives them. n (_codes_per_block) is
-    ASM (1, 2 or 4) for int4 in int16 words on the GPU (one _asm_nibbles block), 1 (ASM 1) or 2
-    for int8 there (one _asm_bytes block), else 1."""
+    the first) in FORM: EXACT codes, BIASED as _f16_biased gives them, TINY as _f16_tiny. n
+    (_codes_per_block) is ASM (1, 2 or 4) for int4 in int16 words on the GPU (one _asm_nibbles
+    block), 1 (ASM 1) or 2 for int8 there (one _asm_bytes block), else 1."""
     if ASM and BITS == 8 and x.dtype == tl.int16:
         if ASM == 1:
-            c0 = tl.inline_asm_elementwise(_asm_bytes(first, 1, not BIASED), "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+            c0 = tl.inline_asm_elementwise(_asm_bytes(first, 1, FORM), "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
             c1 = c0
         else:  # (first is 0)
-            c0, c1 = tl.inline_asm_elementwise(_asm_bytes(0, 2, not BIASED), "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True,
+            c0, c1 = tl.inline_asm_elementwise(_asm_bytes(0, 2, FORM), "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True,
                                                pack=2)
         c2 = c0
         c3 = c1
     elif ASM and BITS == 4 and x.dtype == tl.int16:
-        asm: tl.constexpr = _asm_nibbles(first, ASM, not BIASED)
+        asm: tl.constexpr = _asm_nibbles(first, ASM, FORM)
         if ASM == 1:
             c0 = tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
             c1 = c0
@@ -142,8 +177,13 @@ def _codes_f16n(x, first: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, B
             c3 = c1
         else:
             c0, c1, c2, c3 = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [x], dtype=(tl.float16,) * 4, is_pure=True, pack=2)
-    elif BIASED:
+    elif FORM == BIASED:
         c0 = _f16_biased(x, first, BITS)
+        c1 = c0
+        c2 = c0
+        c3 = c0
+    elif FORM == TINY:
+        c0 = _f16_tiny(x, first, BITS)
         c1 = c0
         c2 = c0
         c3 = c0
@@ -396,7 +436,7 @@ def _values_from_codes(xv, vs, vz, p, V_BITS: tl.constexpr, V16: tl.constexpr, D
     if V16 and ASM and VT == tl.float16 and V_BITS == 4 and xv.dtype == tl.int16:  # nibble blocks of ASM sub-tiles
         for r in tl.static_range(4):
             if r % ASM == 0:
-                c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, False)
+                c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, EXACT)
             vr = _pick(c0, c1, c2, c3, r % ASM) * vs + vz
             if r == 0:
                 v0 = vr
@@ -543,7 +583,7 @@ def _side_rows(bh, sub, offs_p, P: tl.constexpr, PS: tl.constexpr):
 def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
                  D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr, K_BITS: tl.constexpr,
                  DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr,
-                 PS: tl.constexpr = 0):
+                 PS: tl.constexpr = 0, TINY_CODES: tl.constexpr = False):
     """Base-2 scores [W, G_PAD, P] of the quantized pages at pool rows bh [W] (block * H +
     head), or with PS > P of their P-token tiles starting `sub` [W] tokens into pages of PS
     (which share the page's K scales), against the query sub-tiles, transposed and broadcast
@@ -552,14 +592,15 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
     to 16 rows). K16 == 1 folds K's per-channel scales into the fp32 query, (q*s)_r rounded to
     fp16, and dots it with fp16 1024 + code (int4: 1024 + 16 * code for odd nibbles, against
     q*s/16; about one LOP3 a pair of codes), then adds q . z - 1024 * the sum of the rounded
-    q*s the dots saw; 3 dequantizes K in KDT against 16-bit queries; 0 in fp32, rounded once
+    q*s the dots saw; with TINY_CODES it dots the rounded q*s (q*s/16) with the tiny codes
+    instead (one AND a pair), scales the dots by 2^24 and adds q . z alone; 3 dequantizes K in KDT against 16-bit queries; 0 in fp32, rounded once
     into DOT. The query is held as the dots' [DK, rows] operand so that q*s is formed in a
     layout near it (sm_90, triton 3.6: 2 barriers a page where [rows, DK] took 10, 15
     butterfly shuffles where it took 34; int8 1,315 instructions a page against 1,463)."""
     W: tl.constexpr = q30.shape[0]
     G_PAD: tl.constexpr = q30.shape[2]
     st = tl.zeros((W, P, G_PAD), tl.float32)
-    corr = tl.zeros((W, DK, G_PAD), tl.float32)  # q*z - 1024 * fp16(q*s), summed once (K16 == 1)
+    corr = tl.zeros((W, DK, G_PAD), tl.float32)  # q*z [- 1024 * fp16(q*s)], summed once (K16 == 1)
     xk = tl.load(KC + _side_rows(bh[:, None, None], sub[:, None, None], offs_p[None, :, None], P, PS) * DK + offs_k[None, None, :])
     W16: tl.constexpr = KS.dtype.element_ty.primitive_bitwidth == 16
     chan = bh[:, None] * D + PK * offs_k[None, :]  # channel PK*i of each page's head
@@ -572,15 +613,18 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
     N: tl.constexpr = _codes_per_block(K_BITS, ASM, xk.dtype)
     for r in tl.static_range(PK):
         if K16 == 1 and r % N == 0:
-            c0, c1, c2, c3 = _codes_f16n(xk, r, K_BITS, ASM, True)
+            c0, c1, c2, c3 = _codes_f16n(xk, r, K_BITS, ASM, TINY if TINY_CODES else BIASED)
         qr = _pick(q30, q31, q32, q33, r)
         sr, zr = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
         if K16 == 1:
             qs = qr * sr.to(tl.float32)[:, :, None]
             if K_BITS == 4 and r % 2 == 1:
-                qs = qs * 0.0625  # against 1024 + 16 * code
+                qs = qs * 0.0625  # against 1024 + 16 * code, or 16 * code tiny
             qs = qs.to(tl.float16)
-            corr += qr * zr.to(tl.float32)[:, :, None] - 1024.0 * qs.to(tl.float32)
+            if TINY_CODES:
+                corr += qr * zr.to(tl.float32)[:, :, None]
+            else:
+                corr += qr * zr.to(tl.float32)[:, :, None] - 1024.0 * qs.to(tl.float32)
             st += tl.dot(_pick(c0, c1, c2, c3, r % N), qs)
         elif K16 == 3:
             kd = _codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[:, None, :] + zr.to(KDT)[:, None, :]
@@ -589,7 +633,9 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
             kf = _f32(xk, r, K_BITS) * sr.to(tl.float32)[:, None, :] + zr.to(tl.float32)[:, None, :]
             st += tl.dot(kf.to(DOT), qr.to(DOT), input_precision=PREC)
     s = tl.permute(st, (0, 2, 1))
-    if K16 == 1:
+    if K16 == 1 and TINY_CODES:
+        s = s * 16777216.0 + tl.sum(corr, 1)[:, :, None]  # tiny codes: units of 2^-24
+    elif K16 == 1:
         s += tl.sum(corr, 1)[:, :, None]
     return s
 
@@ -615,7 +661,7 @@ def _side_values(VC, VS, VZ, bh, sub, p, offs_p, offs_v, P: tl.constexpr, DV: tl
 @triton.jit
 def _side_values_folded(VC, VS, VZ, bh, sub, pt, x0, x1, x2, x3, z_acc, alpha, offs_p, P: tl.constexpr, DV: tl.constexpr,
                         PV: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, V_BITS: tl.constexpr, ASM: tl.constexpr,
-                        ZDOT: tl.constexpr = False, PS: tl.constexpr = 0):
+                        ZDOT: tl.constexpr = False, PS: tl.constexpr = 0, TINY_CODES: tl.constexpr = False):
     """Side by side (pool rows bh [W]; with PS > P their P-token tiles `sub` [W] tokens into
     pages of PS), values transposed with their per-token scales folded into the
     probabilities: for each group g of V's channels, codes_gᵀ [GS/PV, P] (exact fp16 codes, the
@@ -627,7 +673,9 @@ def _side_values_folded(VC, VS, VZ, bh, sub, pt, x0, x1, x2, x3, z_acc, alpha, o
     holds p * s_g, losing bits only below its normal range, 6.1e-5). All are rescaled by alpha
     [W, rows] first. (Codes biased by 1024 as K's, the bias taken out once from the sums of the
     fp16 p * s_g, saved an instruction a pair but measured no faster on the H200, and int2 with
-    rotation left the error budget there: notes v13.)"""
+    rotation left the error budget there: notes v13.) With TINY_CODES the codes are tiny instead
+    (one AND or PRMT a pair, no subtract): x_r then holds its sums in units of _tiny_unit(r),
+    which _unfold_values takes out."""
     W: tl.constexpr = bh.shape[0]
     R: tl.constexpr = pt.shape[2]
     DG: tl.constexpr = GS // PV  # a group's columns of a sub-tile
@@ -653,7 +701,7 @@ def _side_values_folded(VC, VS, VZ, bh, sub, pt, x0, x1, x2, x3, z_acc, alpha, o
     N: tl.constexpr = _codes_per_block(V_BITS, ASM, xv.dtype)
     for r in tl.static_range(PV):
         if r % N == 0:
-            c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, False)
+            c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, TINY if TINY_CODES else EXACT)
         cr = _pick(c0, c1, c2, c3, r % N)
         if r == 0:
             x0 = x0 * c + tl.dot(cr, pg)
@@ -667,11 +715,14 @@ def _side_values_folded(VC, VS, VZ, bh, sub, pt, x0, x1, x2, x3, z_acc, alpha, o
 
 
 @triton.jit
-def _unfold_values(x, z_acc, NG: tl.constexpr):
-    """[W, rows, DV] from _side_values_folded's x_r [W * NG, GS/PV, rows] and z_acc [W, NG, rows]."""
+def _unfold_values(x, z_acc, NG: tl.constexpr, UNIT: tl.constexpr = 1.0):
+    """[W, rows, DV] from _side_values_folded's x_r [W * NG, GS/PV, rows] (sums in units of
+    UNIT: _tiny_unit(r) for tiny codes) and z_acc [W, NG, rows]."""
     W: tl.constexpr = z_acc.shape[0]
     R: tl.constexpr = z_acc.shape[2]
     DG: tl.constexpr = x.shape[1]
+    if UNIT != 1.0:
+        x = x * (1.0 / UNIT)
     y = tl.reshape(x, (W, NG, DG, R)) + z_acc[:, :, None, :]
     return tl.permute(tl.reshape(y, (W, NG * DG, R)), (0, 2, 1))
 
