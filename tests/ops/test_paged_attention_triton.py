@@ -247,7 +247,7 @@ SIDE8_CASES = [_long(CASES[2], 1), _long(CASES[6], 2), _long(CASES[9], 2), CASES
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
 def test_side_by_side_int8_pages_within_budget(case, vt, dtype, monkeypatch):
     """int8 pages side by side (TUNE["side_bits"] 8; on the GPU through the byte blocks of
-    inline PTX, K's codes biased by 1024 against q*s, V's exact), both value paths."""
+    inline PTX, the codes as fp16 subnormals: TUNE["side_tiny"]), both value paths."""
     if dtype == torch.float32 and vt:
         pytest.skip("fp32 inputs take V in fp32 whatever side_vt says: the vt0 case runs them")
     monkeypatch.setitem(TUNE, "side_bits", 8)
@@ -272,25 +272,27 @@ def test_side_zdot_within_budget(case, side, vt, zdot, dtype, monkeypatch):
     assert K.LAST["side"] == side and K.LAST["svt"] == vt and K.LAST["zdot"] == (vt and zdot > 0)
 
 
-@pytest.mark.parametrize("side, k16, vt", [(1, 1, True), (2, 1, True), (1, 1, False), (1, 3, True)], ids=lambda v: str(int(v)))
+@pytest.mark.parametrize("side, k16, vt, tiny", [(1, 1, True, True), (2, 1, True, True), (1, 1, False, True), (1, 3, True, True),
+                                                (1, 1, True, False), (1, 1, False, False)], ids=lambda v: str(int(v)))
 @pytest.mark.parametrize("case", SIDE_CASES + SIDE8_CASES + TILE_CASES[:2], ids=[case_id(c) for c in SIDE_CASES + SIDE8_CASES + TILE_CASES[:2]])
 @pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
-def test_side_tiny_codes_within_budget(case, side, k16, vt, dtype, monkeypatch):
-    """TUNE["side_tiny"]: the side loop's codes as fp16 subnormals (c * 2^-24; int4's odd
-    nibbles 16c * 2^-24) in K's dots against q*s (side_k16 1) and in V's transposed dots
-    (side_vt), the units taken out after the page's K dots and at the end of V's: the grid's
-    budget with int4, int8, int2 with rotation, k8v4, V groups of 16 and 32, padding, GQA 3,
-    tiles of big pages; with K dequantized in 16 bits (side_k16 3) or V not transposed only
-    the other side takes them. (On the CPU the interpreter's tiny codes go through the
-    generic conversion; the inline-PTX masks run on the GPU.)"""
-    monkeypatch.setitem(TUNE, "side_tiny", True)
+def test_side_tiny_codes_within_budget(case, side, k16, vt, tiny, dtype, monkeypatch):
+    """TUNE["side_tiny"] (on by default): the side loop's codes as fp16 subnormals (c * 2^-24;
+    int4's odd nibbles 16c * 2^-24) in K's dots against q*s (side_k16 1) and in V's transposed
+    dots (side_vt), the units taken out after the page's K dots and at the end of V's: the
+    grid's budget with int4, int8, int2 with rotation, k8v4, V groups of 16 and 32, padding,
+    GQA 3, tiles of big pages; with K dequantized in 16 bits (side_k16 3) or V not transposed
+    only the other side takes them. Off, K's codes go in as fp16 1024 + c and V's exact, as
+    before. (On the CPU the interpreter's codes go through the generic conversion; the
+    inline-PTX masks run on the GPU.)"""
+    monkeypatch.setitem(TUNE, "side_tiny", tiny)
     monkeypatch.setitem(TUNE, "side", side)
     monkeypatch.setitem(TUNE, "side_short", side)  # (programs of at most two pages)
     monkeypatch.setitem(TUNE, "side_k16", k16)
     monkeypatch.setitem(TUNE, "side_vt", vt)
     monkeypatch.setitem(TUNE, "side_bits", 8)
     test_triton_decode_within_budget(case, dtype)
-    assert K.LAST["side"] == side and K.LAST["tiny"] and K.LAST["svt"] == vt
+    assert K.LAST["side"] == side and K.LAST["tiny"] == tiny and K.LAST["svt"] == vt
 
 
 @pytest.mark.parametrize("skip", [False, True], ids=lambda v: f"skip{int(v)}")

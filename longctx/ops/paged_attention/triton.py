@@ -698,8 +698,18 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # under graphs (scripts/bench_ab.py --block-size 128, two rounds, notes v23): int4 128k 47.9,
 # 48.3 us against 101.2, 100.5 through the 2-D loop (2.61x against 1.25x SDPA); 512k 163.2,
 # 163.7 against 334.2, 334.8; batch 8 at 32k 86.5 against 185.5: as fast as pages of 64.
+# side_tiny: the side loop's codes go into K's dots (side_k16 1) and V's transposed dots
+# (side_vt) as fp16 subnormals, c * 2^-24 (int4's odd nibbles 16c * 2^-24): one AND (int4) or
+# PRMT with a zero byte (int8) a pair of codes, where fp16 1024 + c left K a 1024 * q*s term to
+# subtract from every score and V an f16x2 subtract or FMA a pair; the units come out of K's
+# scores a page and V's sums at the end (triton_tiles' tiny form; the tensor cores multiply
+# subnormal fp16 exactly: the GPU tests pass on the H200). sm_90 SASS (triton 3.6): int4 1,061
+# instructions a page against 1,246, int8 1,043 against 1,225. H200, the bench's whole call
+# (scripts/bench_ab.py, two rounds, notes v25): int4 128k 46.2, 47.0 against 47.9, 47.9 us;
+# 512k 156.4, 156.4 against 162.3, 161.8; batch 8 at 32k 82.9, 83.2 against 86.3, 86.0; int8
+# 128k 72.5, 72.2 against 72.2, 72.8 (no change).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=False, pdl=False,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=True, pdl=False,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
