@@ -593,8 +593,8 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
     fp16, and dots it with fp16 1024 + code (int4: 1024 + 16 * code for odd nibbles, against
     q*s/16; about one LOP3 a pair of codes), then adds q . z - 1024 * the sum of the rounded
     q*s the dots saw; with TINY_CODES it dots the rounded q*s (q*s/16) with the tiny codes
-    instead (one AND a pair), scales the dots by 2^24 and adds q . z alone; 3 dequantizes K in KDT against 16-bit queries; 0 in fp32, rounded once
-    into DOT. The query is held as the dots' [DK, rows] operand so that q*s is formed in a
+    instead (one AND a pair), scales the dots by 2^24 and adds q . z alone; 3 dequantizes K in
+    KDT against 16-bit queries; 0 in fp32, rounded once into DOT. The query is held as the dots' [DK, rows] operand so that q*s is formed in a
     layout near it (sm_90, triton 3.6: 2 barriers a page where [rows, DK] took 10, 15
     butterfly shuffles where it took 34; int8 1,315 instructions a page against 1,463)."""
     W: tl.constexpr = q30.shape[0]
