@@ -295,6 +295,32 @@ def test_side_tiny_codes_within_budget(case, side, k16, vt, tiny, dtype, monkeyp
     assert K.LAST["side"] == side and K.LAST["tiny"] == tiny and K.LAST["svt"] == vt
 
 
+def test_tiny_probe_tells_exact_from_flushed_subnormals():
+    """The probe's verdict: the exact product passes; operands flushed to zero (what PTX allows
+    mma to do with subnormal inputs), or codes that lose their low bit, do not. Then the probe
+    itself on this test's device (the interpreter on the CPU), cached."""
+    codes, b = K._tiny_probe_inputs()
+    exact = ((codes.double() * 2.0**-24) @ b.double()).float()
+    assert K._tiny_probe_verdict(exact, codes, b)
+    assert not K._tiny_probe_verdict(torch.zeros_like(exact), codes, b)
+    truncated = (((codes & ~1).double() * 2.0**-24) @ b.double()).float()
+    assert not K._tiny_probe_verdict(truncated, codes, b)
+    device = torch.device(DEVICE)
+    K._TINY_OK.pop(K._device_key(device), None)
+    assert K.tiny_codes_exact(device) is True and K._TINY_OK[K._device_key(device)] is True
+
+
+def test_side_tiny_falls_back_where_the_probe_fails(monkeypatch):
+    """A device whose dots do not multiply subnormal fp16 exactly gets the biased and exact
+    codes (side_tiny's default notwithstanding), within the grid's budget."""
+    monkeypatch.setitem(K._TINY_OK, K._device_key(torch.device(DEVICE)), False)
+    test_triton_decode_within_budget(SIDE_CASES[1], torch.float16)
+    assert K.LAST["side"] and TUNE["side_tiny"] and not K.LAST["tiny"]
+    monkeypatch.setitem(K._TINY_OK, K._device_key(torch.device(DEVICE)), True)
+    test_triton_decode_within_budget(SIDE_CASES[1], torch.float16)
+    assert K.LAST["tiny"]
+
+
 @pytest.mark.parametrize("skip", [False, True], ids=lambda v: f"skip{int(v)}")
 @pytest.mark.parametrize("case", SIDE_CASES + SIDE8_CASES, ids=[case_id(c) for c in SIDE_CASES + SIDE8_CASES])
 @pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])

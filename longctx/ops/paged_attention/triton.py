@@ -768,6 +768,63 @@ def _fit(kernel, num_warps: int, device: int) -> int:
     return programs_fit(regs, kernel.metadata.shared, num_warps, torch.cuda.get_device_properties(device))
 
 
+@triton.jit
+def _tiny_probe_kernel(A, B, C, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    """C [M, N] fp32 = A [M, K] (int16 bits read as fp16) @ B [K, N] fp16, one tensor-core dot."""
+    offs_m = tl.arange(0, M)
+    offs_k = tl.arange(0, K)
+    offs_n = tl.arange(0, N)
+    a = tl.load(A + offs_m[:, None] * K + offs_k[None, :]).to(tl.float16, bitcast=True)
+    b = tl.load(B + offs_k[:, None] * N + offs_n[None, :])
+    tl.store(C + offs_m[:, None] * N + offs_n[None, :], tl.dot(a, b))
+
+
+_TINY_OK: dict = {}  # by device: whether its dots multiply subnormal fp16 exactly
+
+
+def tiny_codes_exact(device: torch.device) -> bool | None:
+    """Whether `device`'s tensor-core dots multiply subnormal fp16 operands exactly, which
+    TUNE["side_tiny"] relies on (PTX leaves the handling of subnormal mma inputs unspecified;
+    the H200 does). A probe dot of codes 0..255 as fp16 bits (c * 2^-24) against fp16 values of
+    the scales' magnitudes, one warp as the side loop's dots, against fp64; run once a device
+    and cached. None (not cached) while a CUDA graph is being captured on the current stream,
+    where the probe cannot wait for its result."""
+    key = _device_key(device)
+    if key in _TINY_OK:
+        return _TINY_OK[key]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    codes, b = _tiny_probe_inputs()
+    out = torch.empty(16, 16, dtype=torch.float32, device=device)
+    _tiny_probe_kernel[(1,)](codes.to(device), b.to(device), out, 16, 32, 16, num_warps=1)
+    ok = _tiny_probe_verdict(out.cpu(), codes, b)
+    _TINY_OK[key] = ok
+    return ok
+
+
+def _device_key(device: torch.device) -> str:
+    """A device's key in _TINY_OK: "cuda:0" for "cuda" (the current device) and "cuda:0" alike."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def _tiny_probe_inputs():
+    """The probe's codes [16, 32] (0..255, int16) and fp16 values [32, 16] (columns from 1e-4 to
+    10 in magnitude, as q*s spans)."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (16, 32), generator=g, dtype=torch.int16)
+    b = (torch.randn(32, 16, generator=g) * torch.logspace(-4, 1, 16)).to(torch.float16)
+    return codes, b
+
+
+def _tiny_probe_verdict(out: torch.Tensor, codes: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the probe's dot `out` is (codes * 2^-24) @ b to fp32 accumulation (1e-5 of the
+    sum of the terms' magnitudes): a flushed or truncated subnormal operand is far off."""
+    a = codes.double() * 2.0**-24
+    return bool(((out.double() - a @ b.double()).abs() <= 1e-5 * (a @ b.double().abs())).all())
+
+
 _COUNTERS: dict = {}
 
 
@@ -986,7 +1043,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and fmt.v_bits <= TUNE["side_zdot"],
                   SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
-                  TINY_CODES=bool(side) and TUNE["side_tiny"],
+                  TINY_CODES=bool(side) and TUNE["side_tiny"] and bool(tiny_codes_exact(q.device)),
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     # programmatic dependent launch (sm_90+): each launch may start while the one before it
