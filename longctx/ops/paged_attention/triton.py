@@ -707,7 +707,10 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # instructions a page against 1,246, int8 1,043 against 1,225. H200, the bench's whole call
 # (scripts/bench_ab.py, two rounds, notes v25): int4 128k 46.2, 47.0 against 47.9, 47.9 us;
 # 512k 156.4, 156.4 against 162.3, 161.8; batch 8 at 32k 82.9, 83.2 against 86.3, 86.0; int8
-# 128k 72.5, 72.2 against 72.2, 72.8 (no change).
+# 128k 72.5, 72.2 against 72.2, 72.8 (no change). PTX leaves mma's handling of subnormal
+# inputs unspecified, so a device takes tiny codes only where a probe dot shows it exact
+# (`tiny_codes_exact`, once a device; a graph captured before any eager call takes the
+# biased and exact codes).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
             pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=True, pdl=False,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
