@@ -806,7 +806,8 @@ def tiny_codes_exact(device: torch.device) -> bool | None:
 
 
 def _device_key(device: torch.device) -> str:
-    """A device's key in _TINY_OK: "cuda:0" for "cuda" (the current device) and "cuda:0" alike."""
+    """A device's key in _TINY_OK, with its index: "cuda" (the current device) keys as "cuda:0"
+    would when that device is 0."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return str(device)
