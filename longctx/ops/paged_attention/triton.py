@@ -1047,7 +1047,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and fmt.v_bits <= TUNE["side_zdot"],
                   SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
-                  TINY_CODES=bool(side) and TUNE["side_tiny"] and bool(tiny_codes_exact(q.device)),
+                  # (the probe runs only where a side loop's dots would take tiny codes)
+                  TINY_CODES=bool(side) and (k16 == 1 or svt) and TUNE["side_tiny"] and bool(tiny_codes_exact(q.device)),
                   GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
 
     # programmatic dependent launch (sm_90+): each launch may start while the one before it

@@ -51,13 +51,20 @@ def _f32(x, r: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _f16_tiny(x, r: tl.constexpr, BITS: tl.constexpr):
-    """Sub-tile r as the fp16 subnormal c * 2^-24, or c * 2^-20 for the odd nibbles of int4
-    (what the tiny nibble blocks give: 16 * c, left in place), exact (_tiny_unit)."""
+def _code_bits(x, r: tl.constexpr, BITS: tl.constexpr):
+    """Sub-tile r's codes c as int16 bits, 16c for the odd nibbles of int4 (where the nibble
+    blocks leave them, unshifted): the tiny and biased forms' bits below the fp16 exponent."""
     c = _code(x, r, BITS).to(tl.int16)
     if BITS == 4 and r % 2 == 1:
         c = c << 4
-    return c.to(tl.float16, bitcast=True)
+    return c
+
+
+@triton.jit
+def _f16_tiny(x, r: tl.constexpr, BITS: tl.constexpr):
+    """Sub-tile r as the fp16 subnormal c * 2^-24, or c * 2^-20 for the odd nibbles of int4
+    (what the tiny nibble blocks give: 16 * c, left in place), exact (_tiny_unit)."""
+    return _code_bits(x, r, BITS).to(tl.float16, bitcast=True)
 
 
 @triton.constexpr_function
@@ -143,10 +150,7 @@ def _asm_bytes(first, n, form):
 def _f16_biased(x, r: tl.constexpr, BITS: tl.constexpr):
     """Sub-tile r as fp16 1024 + code, or 1024 + 16 * code for the odd nibbles of int4 (what
     the biased nibble blocks give: the caller divides its other operand by 16 there), exact."""
-    c = _code(x, r, BITS).to(tl.int16)
-    if BITS == 4 and r % 2 == 1:
-        c = c << 4
-    return (c | 0x6400).to(tl.float16, bitcast=True)
+    return (_code_bits(x, r, BITS) | 0x6400).to(tl.float16, bitcast=True)
 
 
 @triton.jit
