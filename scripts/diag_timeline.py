@@ -25,7 +25,7 @@ def pct(x: torch.Tensor, q: float) -> float:
     return torch.quantile(x.double(), q).item()
 
 
-def timeline(fmt: str, T: int, B: int, copies: int = 4, reps: int = 10):
+def timeline(fmt: str, T: int, B: int, copies: int = 4, reps: int = 10, snaps: int = 1):
     vs = views(B, T, config(fmt), n=copies)
     q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
     paged_attention(q, vs[0], backend="triton", return_lse=False)  # compile, fit
@@ -46,9 +46,12 @@ def timeline(fmt: str, T: int, B: int, copies: int = 4, reps: int = 10):
     with torch.cuda.graph(g):
         for i in range(len(vs)):
             call(i)
-    for _ in range(reps):
-        g.replay()
-    torch.cuda.synchronize()
+    raw = []  # [snaps][copies] int64 [programs, 8]: the stamps after each round of replays
+    for _ in range(snaps):
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+        raw.append([buf.view(n, 8).cpu().clone() for buf in bufs])
     rows = []
     for i, buf in enumerate(bufs):
         s = buf.view(n, 8).cpu()
@@ -74,7 +77,7 @@ def timeline(fmt: str, T: int, B: int, copies: int = 4, reps: int = 10):
         slow = end > pct(end, .95)
         print(f"   the slowest 5 %: side loop {walk[slow].mean():.2f} us against {walk[~slow].mean():.2f}, start {side0[slow].mean():.2f} "
               f"against {side0[~slow].mean():.2f}, pages {pages[slow].double().mean():.1f} against {pages[~slow].double().mean():.1f}")
-    return rows
+    return rows, raw
 
 
 def main():
@@ -82,13 +85,15 @@ def main():
     ap.add_argument("cases", nargs="*", default=["int4:131072:1", "int4:524288:1", "int4:32768:8", "int8:131072:1"])
     ap.add_argument("--tune", nargs="*", default=[], help="TUNE overrides, KEY=VALUE (Python literals)")
     ap.add_argument("--save", default=None, help="write every case's raw stamps here (torch.save)")
+    ap.add_argument("--snaps", type=int, default=1, help="rounds of replays whose stamps are kept (saved), to compare calls")
     a = ap.parse_args()
     K.TUNE.update(overrides(a.tune))
     K.TUNE["merge"] = "launch"  # as under the bench's graphs
     saved = {}
     for c in a.cases:
         fmt, T, B = c.split(":")
-        saved[c] = timeline(fmt, int(T), int(B))
+        rows, raw = timeline(fmt, int(T), int(B), snaps=a.snaps)
+        saved[c] = dict(raw=raw, grid=K.LAST["grid"])
     if a.save:
         torch.save(saved, a.save)
 

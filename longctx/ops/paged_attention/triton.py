@@ -63,7 +63,7 @@ def _decode_kernel(
     K/V go through fp16 dots (DOT is 16-bit), else through DOT with fp32 dequantization.
     STAMPS (diagnostics only, `STAMP` below; None compiles none of it): int64 [programs, 8]
     of %globaltimer readings at the program's entry, before and after its sealed pages and
-    at its end, its SM and its sealed pages. PDL (TUNE["pdl"]: launched as a programmatic
+    at its end, its SM, its sealed pages and its warp slot on the SM. PDL (TUNE["pdl"]: launched as a programmatic
     dependent, sm_90+): wait for the kernels before it, then let the next launch start.
     GRID > 0 (TUNE["merge"] "grid"): the grid has GRID more programs a (row, KV head) after its
     n_splits splits (program_id(1) n_splits ..), each merging one query head's columns (BD of
@@ -184,6 +184,7 @@ def _decode_kernel(
         tl.store(stamp + 3, globaltimer())
         tl.store(stamp + 4, smid().to(tl.int64))
         tl.store(stamp + 5, tl.maximum(j1 - j0, 0).to(tl.int64))
+        tl.store(stamp + 6, _warp_slot().to(tl.int64))
     if MERGE:
         # The splits of this (row, KV head) merge in the launch, no second one: TREE == 0, the
         # last split to finish merges all of them; TREE > 0, in two levels, the last to finish
@@ -336,6 +337,12 @@ def _side_ids(trow, u, j1, WP: tl.constexpr, R: tl.constexpr = 1):
     block u // R) of a split whose sealed blocks end at j1: ids at or past j1 repeat a valid
     one (the table has at least one column), whose scores are masked."""
     return tl.load(trow + tl.maximum(tl.minimum((u + tl.arange(0, WP)) // R, j1 - 1), 0))
+
+
+@triton.jit
+def _warp_slot():
+    """The warp's slot on its SM (%warpid; the scheduler that issues it is slot % 4)."""
+    return tl.inline_asm_elementwise("mov.u32 $0, %warpid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
