@@ -50,7 +50,7 @@ def compile_decode(a):
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
                  PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
-                 SKIP=bool(a.skip), STAMPS=None, TINY_CODES=bool(a.tiny and a.wp), SIGNAL=a.signal, PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
+                 SKIP=bool(a.skip), STAMPS=None, TINY_CODES=bool(a.tiny and a.wp), PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
     const.update(GRID=0, S_PAD=0, SC=0, BD=0)
     if a.merge == "grid":  # merge programs after the splits in the same grid (TUNE merge "grid")
         const.update(GRID=G * (a.head_dim // a.merge_cols if a.merge_cols else 1), S_PAD=max(2, triton.next_power_of_2(a.grid_splits)),
@@ -59,10 +59,8 @@ def compile_decode(a):
         fn = K._merge_kernel
         names = list(inspect.signature(fn.fn).parameters)
         const = {"PDL": bool(a.pdl), "HQ": a.q_heads, "D": a.head_dim, "S_PAD": max(2, triton.next_power_of_2(a.merge_splits)), "SC": a.merge_chunk,
-                 "BD": a.merge_cols, "H": a.kv_heads, "NAP": a.nap}
+                 "BD": a.merge_cols}
         ptrs = dict(POINTERS, OUT="*bf16")
-        if not a.signal:
-            const["COUNT"] = None
     elif a.prefill:  # the prefill kernel: a.prefill rows (query tokens x G heads) a program
         bt = max(1, a.prefill // G)
         const.update(BT=bt, M=max(16, triton.next_power_of_2(bt * G)))
@@ -129,8 +127,6 @@ def main() -> None:
     ap.add_argument("--mask", type=int, default=None, help="side by side: mask the scores (default: the launcher's rule for a "
                     "batch without padding, TUNE side_unmasked)")
     ap.add_argument("--tiny", type=int, default=int(K.TUNE["side_tiny"]), help="side by side: the codes as fp16 subnormals (TUNE side_tiny)")
-    ap.add_argument("--signal", type=int, default=0, choices=(0, 1, 2), help="splits count their partials for the merge launch (TUNE merge_overlap; 2: sm_90's early start)")
-    ap.add_argument("--nap", type=int, default=0, help="with --merge-splits --signal: ns the merge programs sleep between polls (TUNE merge_nap)")
     ap.add_argument("--pdl", type=int, default=0, help="launched as a programmatic dependent (TUNE pdl)")
     ap.add_argument("--merge-cols", type=int, default=0, help="with --merge-splits or --merge grid: columns a program (0: all)")
     ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")

@@ -53,7 +53,7 @@ def _decode_kernel(
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
     ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
     STAMPS=None, PDL: tl.constexpr = False, GRID: tl.constexpr = 0, S_PAD: tl.constexpr = 0, SC: tl.constexpr = 0,
-    BD: tl.constexpr = 0, TINY_CODES: tl.constexpr = False, SIGNAL: tl.constexpr = 0,
+    BD: tl.constexpr = 0, TINY_CODES: tl.constexpr = False,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -70,11 +70,7 @@ def _decode_kernel(
     them, or all D; S_PAD, SC as `_merge_head`) once the splits' counter (COUNT, two int32 a
     row and KV head, zeros, left at zero) says that all of them have stored their partials.
     TINY_CODES (TUNE["side_tiny"]): the side loop's K (K16 1) and V (SVT) dots take the codes
-    as fp16 subnormals (triton_tiles' tiny form) rather than biased or exact ones. SIGNAL > 0
-    (TUNE["merge_overlap"]): each split counts its stored partial in COUNT[2 pid] (two int32
-    a row and KV head) for the merge launch, which merges a head once all of its splits have;
-    SIGNAL 2 (sm_90+) also lets that launch start at once (a programmatic dependent), so that
-    the heads whose splits are done merge while the others' still walk their pages."""
+    as fp16 subnormals (triton_tiles' tiny form) rather than biased or exact ones."""
     if GRID > 0:  # noqa: SIM102 (a constexpr test alone: without merge programs none of this compiles)
         if tl.program_id(1) >= n_splits:
             _grid_merge(O, LSE, OUT, LOUT, COUNT, tl.program_id(0), tl.program_id(1) - n_splits, n_splits,
@@ -87,8 +83,6 @@ def _decode_kernel(
     split = tl.program_id(1)
     if PDL:  # nothing before this reads what earlier kernels wrote
         gdc_wait()
-        gdc_launch_dependents()
-    if SIGNAL == 2:  # the merge launch may start: its programs wait for their heads' counts
         gdc_launch_dependents()
     if STAMPS is not None:
         stamp = STAMPS + (pid * n_splits + split) * 8
@@ -183,7 +177,7 @@ def _decode_kernel(
     if STAMPS is not None:
         tl.store(stamp + 2, globaltimer())
     _finish(O, OR, LSE, (b * H * G + h * G + offs_g) * n_splits + split, gmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE)
-    if GRID > 0 or SIGNAL > 0:  # this split's partial is stored (every thread's: the barrier), for the merge programs
+    if GRID > 0:  # this split's partial is stored (every thread's: the barrier), for the merge programs
         tl.debug_barrier()
         tl.atomic_add(COUNT + 2 * pid, 1, sem="release")
     if STAMPS is not None:
@@ -537,34 +531,6 @@ def _merge_head(O, LSE, OUT, LOUT, b, hq, cb, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l
 
 
 @triton.jit
-def _await_count(cnt, n, NAP: tl.constexpr = 0):
-    """Wait until the counter at cnt reaches n, then acquire it: polled with plain volatile
-    loads (an acquire a poll invalidates the SM's L1 each time, under the splits running
-    there), then acquired once. The splits' adds are one release sequence, so what they stored
-    before adding is visible after this. NAP > 0 (GPU only): sleep about NAP ns between polls."""
-    done = tl.load(cnt, volatile=True)
-    while done < n:
-        if NAP > 0:
-            done = tl.inline_asm_elementwise(_nap_asm(NAP), "=r,r", [done], dtype=tl.int32, is_pure=False, pack=1)
-        done = tl.load(cnt, volatile=True)
-    tl.atomic_add(cnt, 0, sem="acquire")
-
-
-@triton.constexpr_function
-def _nap_asm(ns):
-    return f"nanosleep.u32 {ns}; mov.b32 $0, $1;"
-
-
-@triton.jit
-def _count_merged(cnt, n):
-    """A merge program of a (row, KV head) is done with the splits' counter at cnt (n of
-    them): it counts itself in cnt + 1, and the last sets both back to zero for the next call."""
-    if tl.atomic_add(cnt + 1, 1, sem="acq_rel") == n - 1:
-        tl.atomic_xchg(cnt, 0)
-        tl.atomic_xchg(cnt + 1, 0)
-
-
-@triton.jit
 def _grid_merge(O, LSE, OUT, LOUT, COUNT, pid, e, n_splits, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                 GRID: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
     """Merge program e of (row, KV head) pid in the decode grid (GRID of them: query head
@@ -582,39 +548,37 @@ def _grid_merge(O, LSE, OUT, LOUT, COUNT, pid, e, n_splits, H: tl.constexpr, G: 
     NCB: tl.constexpr = D // BD if BD > 0 else 1
     HQ: tl.constexpr = H * G
     cnt = COUNT + 2 * pid
-    _await_count(cnt, n_splits)
+    # polled with plain volatile loads (an acquire a poll invalidates the SM's L1 each time,
+    # under the splits running there), then acquired once: the splits' adds are one release
+    # sequence, so this sees every partial stored before them
+    done = tl.load(cnt, volatile=True)
+    while done < n_splits:
+        done = tl.load(cnt, volatile=True)
+    tl.atomic_add(cnt, 0, sem="acquire")
     # O [B, HQ, n_splits, D] and LSE [B, HQ, n_splits] (contiguous) -> OUT [B, HQ, 1, D], LOUT [B, HQ, 1]
     _merge_head(O, LSE, OUT, LOUT, pid // H, (pid % H) * G + e // NCB, e % NCB, n_splits, HQ * n_splits * D, n_splits * D, D,
                 HQ * n_splits, n_splits, HQ * D, D, HQ, D, S_PAD, SC, BD, True)
-    _count_merged(cnt, GRID)
+    if tl.atomic_add(cnt + 1, 1, sem="acq_rel") == GRID - 1:
+        tl.atomic_xchg(cnt, 0)
+        tl.atomic_xchg(cnt + 1, 0)
 
 
 @triton.jit(do_not_specialize=["S", "s_o_b", "s_o_h", "s_o_s", "s_l_b", "s_l_h"])
 def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
                   HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr = 0, BD: tl.constexpr = 0,
-                  PDL: tl.constexpr = False, COUNT=None, H: tl.constexpr = 1, NAP: tl.constexpr = 0):
+                  PDL: tl.constexpr = False):
     """Merge the splits of one (row, query head) by log-sum-exp (`_merge_head`): the second
     launch of TUNE["merge"] == "launch" (S_PAD compiles a variant per power of two of splits).
     SC > 0 (TUNE["merge_chunk"]) reads the splits SC at a time where S_PAD is larger; else all
     at once. BD > 0 (`_merge_cols`): the program merges BD of the D columns, program_id(1)
     which (grid (rows * HQ, D // BD)); 0: all D. PDL: launched as a programmatic dependent
-    (sm_90+), so it waits for the decode kernel's partials here. COUNT (TUNE["merge_overlap"]:
-    two int32 a row and KV head, of H KV heads): the program waits only for its own head's
-    S splits (the decode kernel's SIGNAL counts them), reads their partials past L1, and
-    counts itself; the last of the head's programs sets both counters back to zero."""
+    (sm_90+), so it waits for the decode kernel's partials here."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     pid = tl.program_id(0)
-    b = pid // HQ
-    hq = pid % HQ
-    if COUNT is not None:
-        cnt = COUNT + 2 * (b * H + hq // (HQ // H))
-        _await_count(cnt, S, NAP)
-    _merge_head(O, LSE, OUT, LOUT, b, hq, tl.program_id(1), S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
-                HQ, D, S_PAD, SC, BD, COUNT is not None)
-    if COUNT is not None:
-        _count_merged(cnt, (HQ // H) * tl.num_programs(1))
+    _merge_head(O, LSE, OUT, LOUT, pid // HQ, pid % HQ, tl.program_id(1), S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
+                HQ, D, S_PAD, SC, BD, False)
 
 
 # Launch knobs, measured on the H200 (notes/decode-kernel.md); scripts/diag_speed.py sweeps them.
@@ -755,7 +719,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # (`tiny_codes_exact`, once a device; a graph captured before any eager call takes the
 # biased and exact codes).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=True, merge_overlap=False, merge_nap=0, pdl=False,
+            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=True, pdl=False,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
@@ -960,7 +924,7 @@ def _side(fmt, short: bool) -> int:
                      ("side_dense", (16, 32)), ("side_zdot", (0, 4, 8)), ("side_unmasked", (0, 4, 8))):
         if TUNE[name] not in ok or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of {', '.join(map(str, ok))}, got {TUNE[name]!r}")
-    for name in ("side_vt", "side_apart", "side_skip", "side_tiles", "side_tiny", "pdl", "merge_overlap"):
+    for name in ("side_vt", "side_apart", "side_skip", "side_tiles", "side_tiny", "pdl"):
         if TUNE[name] not in (False, True):
             raise ValueError(f"TUNE[{name!r}] must be True or False, got {TUNE[name]!r}")
     if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > TUNE["side_bits"] or (fmt.block_size > SIDE_TILE and not TUNE["side_tiles"]):
@@ -1099,10 +1063,6 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     pdl = dict(PDL=True, launch_pdl=True) if gpu and TUNE["pdl"] and torch.cuda.get_device_capability(device) >= (9, 0) else {}
     consts.update(pdl)
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    # the merge launch waits for each head's splits on its own (TUNE["merge_overlap"]): as a
-    # programmatic dependent (sm_90+) it runs while other heads' splits still walk their pages
-    overlap_pdl = gpu and torch.cuda.get_device_capability(device) >= (9, 0)
-    overlap = bool(TUNE["merge_overlap"]) and not pdl and (overlap_pdl or not gpu)
 
     def merge_mode(splits: int) -> str:
         """How the splits merge: "kernel" (the last split), "grid" (merge programs in the same
@@ -1149,7 +1109,6 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
             if gpu and not warmup and B * H * extra["GRID"] > fit_for(splits) * sm // 2:
                 mode, extra = "launch", {}
         merge = mode == "kernel"
-        signal = (2 if overlap_pdl else 1) if overlap and mode == "launch" else 0
         tree = _merge_tree(splits) if merge else 0
         o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
         o_r = torch.empty_like(o) if fmt.rotate else o
@@ -1159,8 +1118,8 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
             out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
             lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
             # grid: the splits stored, the merge programs done; tree: a counter per group, and one for the groups
-            per_head = 2 if mode == "grid" or signal else (math.ceil(splits / tree) + 1 if tree else 1)
-            count = _counters(q.device, B * H * per_head) if mode in ("kernel", "grid") or signal else table
+            per_head = 2 if mode == "grid" else (math.ceil(splits / tree) + 1 if tree else 1)
+            count = _counters(q.device, B * H * per_head) if mode in ("kernel", "grid") else table
         args = (q2, qr, table, start if start is not None else table,
                 view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
                 o, o_r, lse, out, lout, count,
@@ -1168,12 +1127,12 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
                 n_blocks, n_sink, tail_len, bps, scale, splits, int(apart))
         grid = (B * H, splits + extra.get("GRID", 0))
         if warmup:
-            return _decode_kernel.warmup(*args, grid=grid, MERGE=merge, TREE=tree, SIGNAL=signal, **extra, **consts)
+            return _decode_kernel.warmup(*args, grid=grid, MERGE=merge, TREE=tree, **extra, **consts)
         stamps = {} if STAMP is None else dict(STAMPS=STAMP)
-        LAST.update(kernel=_decode_kernel[grid](*args, MERGE=merge, TREE=tree, SIGNAL=signal, **extra, **stamps, **consts), grid=grid,
-                    side=side, k16=k16, svt=svt, zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short,
-                    mask=consts["MASK"], merge=mode, tiny=consts["TINY_CODES"], overlap=bool(signal))
-        return splits, merged, mode, o, o_r, lse, out, lout, count, signal
+        LAST.update(kernel=_decode_kernel[grid](*args, MERGE=merge, TREE=tree, **extra, **stamps, **consts), grid=grid, side=side, k16=k16,
+                    svt=svt, zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"], merge=mode,
+                    tiny=consts["TINY_CODES"])
+        return splits, merged, mode, o, o_r, lse, out, lout
 
     if splits is None:
         splits = guess
@@ -1181,7 +1140,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
             fit = fit_for(splits)
             if fit < ppsm:
                 splits = num_splits(B, H, total, sm, fit)
-    splits, merged, mode, o, o_r, lse, out, lout, count, signal = launch(splits)
+    splits, merged, mode, o, o_r, lse, out, lout = launch(splits)
     if merged:
         return o, (lse if return_lse else None)
     if fmt.rotate:
@@ -1189,8 +1148,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         return out[:, :, None].to(q.dtype), (total_lse if return_lse else None)
     if mode == "launch":
         shape = merge_shape(splits)
-        waits = dict(COUNT=count, H=H, **(dict(launch_pdl=True, NAP=TUNE["merge_nap"]) if signal == 2 else {})) if signal else {}
         _merge_kernel[(B * Hq, D // shape["BD"] if shape["BD"] else 1)](
             o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            HQ=Hq, D=D, **shape, num_warps=4, **pdl, **waits)
+            HQ=Hq, D=D, **shape, num_warps=4, **pdl)
     return out, (lout if return_lse else None)
