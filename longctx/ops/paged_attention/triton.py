@@ -594,6 +594,11 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # 88.3, 88.4 (89.6, 89.2) against 87.4, 88.3; 512k (one round, an acquire a poll then) 168.7
 # (165.1) against 167.1. Merge programs beyond half the GPU's program slots fall back to the
 # launch (they wait for the splits, which must find room).
+# The merge launch as a programmatic dependent whose programs wait for their own head's
+# splits (counted by the splits, so heads merge during the wave's end; built and reverted,
+# notes v26) was slower too: int4 128k 49.6, 49.0 us against 46.7, 47.7 (500 ns between polls
+# 48.7, 48.8 against 47.1, 46.7), 512k 162.5, 160.8 against 158.8, 158.7, batch 8 at 32k
+# 86.7, 85.9 against 83.9, 85.1.
 # k16=3 (K dequantized in bf16/fp16 against a fixed query) over 2 (scales folded into the
 # query per page): int4 128k 0.1333 vs 0.1448 ms, 512k 0.4648 vs 0.5318 (H200, graph timing).
 # One page a step with three pipeline stages, 4 programs per SM (128 registers: one wave),
