@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longctx.ops.paged_attention import prefill as PF  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
 
-POINTERS = {"TABLE": "*i32", "START": "*i32", "O": "*fp32", "OR": "*fp32", "LSE": "*fp32", "LOUT": "*fp32", "COUNT": "*i32"}
+POINTERS = {"BOUNDS": "*i32", "TABLE": "*i32", "START": "*i32", "O": "*fp32", "OR": "*fp32", "LSE": "*fp32", "LOUT": "*fp32", "COUNT": "*i32"}
 
 
 def compile_decode(a):
@@ -52,6 +52,8 @@ def compile_decode(a):
                  PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
                  SKIP=bool(a.skip), STAMPS=None, TINY_CODES=bool(a.tiny and a.wp), PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
     const.update(GRID=0, S_PAD=0, SC=0, BD=0)
+    if not a.bounds:
+        const["BOUNDS"] = None
     if a.merge == "grid":  # merge programs after the splits in the same grid (TUNE merge "grid")
         const.update(GRID=G * (a.head_dim // a.merge_cols if a.merge_cols else 1), S_PAD=max(2, triton.next_power_of_2(a.grid_splits)),
                      SC=a.merge_chunk, BD=a.merge_cols)
@@ -127,6 +129,7 @@ def main() -> None:
     ap.add_argument("--mask", type=int, default=None, help="side by side: mask the scores (default: the launcher's rule for a "
                     "batch without padding, TUNE side_unmasked)")
     ap.add_argument("--tiny", type=int, default=int(K.TUNE["side_tiny"]), help="side by side: the codes as fp16 subnormals (TUNE side_tiny)")
+    ap.add_argument("--bounds", action="store_true", help="the splits' boundaries from a table (the kernel's BOUNDS, scripts/diag_balance.py)")
     ap.add_argument("--pdl", type=int, default=0, help="launched as a programmatic dependent (TUNE pdl)")
     ap.add_argument("--merge-cols", type=int, default=0, help="with --merge-splits or --merge grid: columns a program (0: all)")
     ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")

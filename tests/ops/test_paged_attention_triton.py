@@ -543,6 +543,61 @@ def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
     _merged_within_budget(out, lse, q, start, cache, k, v, cfg)
 
 
+def test_split_boundaries_from_a_table(monkeypatch):
+    """The kernel's BOUNDS (experiments: `BOUND`, scripts/diag_balance.py) replace the equal
+    shares with any nondecreasing boundaries over each (row, KV head)'s logical blocks (the sink
+    block, the sealed pages, the tail's block): the sink or the tail alone, shared with sealed
+    pages, or in an empty split's neighbour. Each split's partial LSE is the fp64 one over its
+    own blocks' keys (-inf where it has none, a row's left padding included), and the merged
+    output is within the reference's budget, merged in the launch or in the kernel. A table of
+    another shape is refused."""
+    from longctx.ops.paged_attention import triton as kernel
+
+    B, Hq, Hkv, D, P = 2, 4, 2, 64, 16
+    T = P * 20 + 9  # a sink block, 19 sealed pages and a tail of 9 tokens
+    cfg = KVConfig(bits=4, block_size=P, sink_blocks=1)
+    cache, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=torch.float16, seed=21)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(22)).half()
+    start = torch.tensor([0, 40], dtype=torch.int32)
+    view = _to(cache.view(0), DEVICE)
+    assert view.block_table.shape[1] == 20 and view.tail_k.shape[2] == 9
+    bounds = torch.tensor([[0, 1, 1, 7, 12, 20, 21], [0, 5, 9, 14, 18, 21, 21],
+                           [0, 0, 3, 10, 10, 16, 21], [0, 4, 8, 12, 16, 20, 21]], dtype=torch.int32)
+    S = bounds.shape[1] - 1
+    seen = {}
+    real = kernel._merge_kernel
+
+    class Spy:  # the merge launch's partials (its second argument: LSE [B, Hq, S])
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen["lse"] = args[1].clone()
+                return real[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(kernel, "_merge_kernel", Spy())
+    monkeypatch.setattr(kernel, "BOUND", bounds.to(DEVICE))
+    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T // P * P)
+    scores = torch.einsum("bhgd,bhtd->bhgt", q.double().view(B, Hkv, Hq // Hkv, D), k_exp.double()) * D**-0.5
+    for mode in ("launch", "kernel"):
+        monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": mode})
+        out, lse = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=S)
+        assert kernel.LAST["grid"] == (B * Hkv, S) and kernel.LAST["merge"] == mode
+        _merged_within_budget(out, lse, q, start, cache, k, v, cfg)
+    part = seen["lse"].cpu().double().view(B, Hkv, Hq // Hkv, S)
+    for b in range(B):
+        for h in range(Hkv):
+            for s in range(S):
+                t0, t1 = max(int(bounds[b * Hkv + h, s]) * P, int(start[b])), min(int(bounds[b * Hkv + h, s + 1]) * P, T)
+                want = torch.logsumexp(scores[b, h, :, t0:t1], -1) if t1 > t0 else torch.full((Hq // Hkv,), float("-inf"), dtype=torch.float64)
+                got = part[b, h, :, s]
+                assert torch.equal(torch.isinf(got), torch.isinf(want)), (b, h, s, got, want)
+                fin = ~torch.isinf(want)
+                assert (got[fin] - want[fin]).abs().max().item() <= 0.02 if fin.any() else True, (b, h, s, got, want)
+    monkeypatch.setattr(kernel, "BOUND", bounds[:, :-1].contiguous().to(DEVICE))
+    with pytest.raises(ValueError, match="BOUND must be int32"):
+        paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=S)
+
+
 @pytest.mark.parametrize("splits, cols, chunk", [(8, 16, 128), (7, 32, 2), (2, 0, 0)], ids=lambda x: str(x))
 def test_merge_programs_in_the_grid(splits, cols, chunk, monkeypatch):
     """TUNE["merge"] "grid": merge programs after the splits in the decode grid, one a query

@@ -53,7 +53,7 @@ def _decode_kernel(
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
     ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
     STAMPS=None, PDL: tl.constexpr = False, GRID: tl.constexpr = 0, S_PAD: tl.constexpr = 0, SC: tl.constexpr = 0,
-    BD: tl.constexpr = 0, TINY_CODES: tl.constexpr = False,
+    BD: tl.constexpr = 0, TINY_CODES: tl.constexpr = False, BOUNDS=None,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -70,7 +70,10 @@ def _decode_kernel(
     them, or all D; S_PAD, SC as `_merge_head`) once the splits' counter (COUNT, two int32 a
     row and KV head, zeros, left at zero) says that all of them have stored their partials.
     TINY_CODES (TUNE["side_tiny"]): the side loop's K (K16 1) and V (SVT) dots take the codes
-    as fp16 subnormals (triton_tiles' tiny form) rather than biased or exact ones."""
+    as fp16 subnormals (triton_tiles' tiny form) rather than biased or exact ones. BOUNDS
+    (experiments only, `BOUND` below; None compiles none of it): int32 [rows * H, n_splits + 1],
+    each (row, KV head)'s split boundaries over its logical blocks (0 .. total, nondecreasing),
+    in place of blocks_per_split's equal shares."""
     if GRID > 0:  # noqa: SIM102 (a constexpr test alone: without merge programs none of this compiles)
         if tl.program_id(1) >= n_splits:
             _grid_merge(O, LSE, OUT, LOUT, COUNT, tl.program_id(0), tl.program_id(1) - n_splits, n_splits,
@@ -96,8 +99,12 @@ def _decode_kernel(
     offs_v = tl.arange(0, DV)
     gmask = offs_g < G
     total = n_blocks + tl.cdiv(tail_len, P)
-    lo = split * blocks_per_split
-    hi = tl.minimum(lo + blocks_per_split, total)
+    if BOUNDS is not None:
+        lo = tl.load(BOUNDS + pid * (n_splits + 1) + split)
+        hi = tl.load(BOUNDS + pid * (n_splits + 1) + split + 1)
+    else:
+        lo = split * blocks_per_split
+        hi = tl.minimum(lo + blocks_per_split, total)
     j0 = tl.maximum(lo, n_sink)  # the sealed blocks j0 .. j1 - 1
     j1 = tl.minimum(hi, n_blocks)
     if apart:  # the last split takes the unquantized blocks alone, the others the sealed ones
@@ -737,6 +744,7 @@ TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnre
 # three stages or 16-bit dequantization (k16=3, v16) slower; staging 7.62 / 19.1 / 101.
 # 128 rows and 8 warps take 255 registers: one program per SM (prefill_programs).
 STAMP: torch.Tensor | None = None  # diagnostics: int64 [>= programs * 8] for the kernel's STAMPS (scripts/diag_timeline.py)
+BOUND: torch.Tensor | None = None  # experiments: int32 [rows * KV heads, splits + 1], the kernel's BOUNDS (scripts/diag_balance.py)
 LAST: dict = {}  # the last decode kernel launched (compiled: registers, spills; its grid)
 
 
@@ -1134,6 +1142,11 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         if warmup:
             return _decode_kernel.warmup(*args, grid=grid, MERGE=merge, TREE=tree, **extra, **consts)
         stamps = {} if STAMP is None else dict(STAMPS=STAMP)
+        if BOUND is not None:  # (experiments: the splits' boundaries from the caller)
+            if apart or tuple(BOUND.shape) != (B * H, splits + 1) or BOUND.dtype != torch.int32:
+                raise ValueError(f"BOUND must be int32 [{B * H}, {splits + 1}] (rows x KV heads, splits + 1) and side_apart off, "
+                                 f"got {BOUND.dtype} {tuple(BOUND.shape)}")
+            stamps["BOUNDS"] = BOUND
         LAST.update(kernel=_decode_kernel[grid](*args, MERGE=merge, TREE=tree, **extra, **stamps, **consts), grid=grid, side=side, k16=k16,
                     svt=svt, zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"], merge=mode,
                     tiny=consts["TINY_CODES"])

@@ -1,0 +1,106 @@
+"""Split shares weighted by the warp slot each split runs in, timed against the equal shares.
+
+On the H200 a grid's programs land on the same SMs and warp slots on every replay, and the
+first warp of each scheduler (slots 0-3) walks pages ~8 % faster than the second (notes v26).
+This script learns each program's slot from one timeline run (the kernel's STAMPS), builds
+boundaries that give first-slot splits `weight` times a second-slot split's share (the sink
+and tail blocks charged at what they cost in that run, in pages), and times the bench's call
+with them (the kernel's BOUNDS, `triton.BOUND`) against the equal shares, in alternating
+rounds, then prints the new timeline's ends. It answers which model of notes v26 holds: do the
+programs keep their own rates, or do the second warps speed up as the first ones finish?
+
+Usage (GPU machine, repo root):
+  python3 scripts/diag_balance.py [FORMAT:CONTEXT:BATCH ...] [--weights 1.08 1.04] [--rounds 2]
+"""
+import argparse
+import bisect
+import math
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+from longctx.bench import bench_decode
+from longctx.ops.paged_attention import triton as K
+from scripts.diag_parts import config
+from scripts.diag_speed import views
+from scripts.diag_timeline import timeline
+
+
+def weighted_bounds(weights, n_sink, n_sealed, n_tail, dense, tail) -> list[int]:
+    """Boundaries [len(weights) + 1] over a row's logical blocks (n_sink sink blocks, n_sealed
+    pages, n_tail tail blocks): split s's share of the work in proportion to weights[s], a
+    sink block costing `dense` pages and the whole tail `tail`. A block goes to the split
+    whose share holds its start, so the boundaries partition the blocks whatever the weights."""
+    unit = 1000  # integer work units a page
+    cost = [round(dense * unit)] * n_sink + [unit] * n_sealed + [round(tail * unit / max(n_tail, 1))] * n_tail
+    starts = [0]
+    for c in cost:
+        starts.append(starts[-1] + c)
+    total, wsum = starts[-1], sum(weights)
+    out, acc = [], 0.0
+    for s in range(len(weights) + 1):
+        cut = total if s == len(weights) else round(total * acc / wsum)
+        out.append(bisect.bisect_left(starts, cut, 0, len(cost)))  # blocks starting before the cut
+        if s < len(weights):
+            acc += weights[s]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cases", nargs="*", default=["int4:131072:1", "int4:524288:1", "int4:32768:8"])
+    ap.add_argument("--weights", type=float, nargs="*", default=[1.08], help="a first-slot split's share against a second-slot one's")
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    K.TUNE["merge"] = "launch"  # as under the bench's graphs
+    for c in a.cases:
+        fmt, T, B = c.split(":")
+        T, B = int(T), int(B)
+        K.BOUND = None
+        _, raw = timeline(fmt, T, B)
+        BH, S = K.LAST["grid"]
+        s = raw[0][0].double()
+        side0, slot, pages = s[:, 1] - s[:, 0].min(), s[:, 6], s[:, 5]
+        v = views(B, T, config(fmt), n=1)[0]
+        P = v.pages.fmt.block_size
+        n_blocks, n_sink, tail_len = v.block_table.shape[1], v.n_sink, v.tail_k.shape[2]
+        n_tail = math.ceil(tail_len / P)
+        # what the sink and tail blocks cost, in pages: how much later their splits start their pages
+        page_us = ((s[:, 2] - s[:, 1])[pages > 0] / pages[pages > 0]).median().item()
+        base = side0.median().item()
+        split = torch.arange(BH * S) % S  # the stamps' order: program (row x KV head) * S + split
+        first_split, last_split = split == 0, split == S - 1
+        dense = max(1.0, (side0[first_split].median().item() - base) / page_us / max(n_sink, 1))
+        tail = max(1.0, (side0[last_split].median().item() - base) / page_us) if n_tail else 0.0
+        print(f"== {c}: grid ({BH}, {S}), {n_sink} sink, {n_blocks - n_sink} sealed, tail {tail_len} tokens; "
+              f"first slots {(slot < 4).float().mean():.2f} of programs; a page {page_us:.3f} us, "
+              f"a sink block {dense:.2f} pages, the tail {tail:.2f}")
+        sets = {"equal shares": None}
+        for w in a.weights:
+            rows = [weighted_bounds([w if slot[p * S + sp] < 4 else 1.0 for sp in range(S)], n_sink, n_blocks - n_sink, n_tail, dense, tail)
+                    for p in range(BH)]
+            sets[f"first slots x{w}"] = torch.tensor(rows, dtype=torch.int32, device="cuda")
+        for r in range(a.rounds):
+            for name, bound in sets.items():
+                K.BOUND = bound
+                try:
+                    res = bench_decode([T], [B], formats=(fmt,), graph=True)
+                finally:
+                    K.BOUND = None
+                sdpa = next(x.ms for x in res if x.name == "SDPA dense bf16")
+                ours = next(x.ms for x in res if x.name.startswith("longctx"))
+                print(f"{c} round {r} {name}: SDPA {sdpa * 1e3:.2f} us, {fmt} {ours * 1e3:.2f} us, {sdpa / ours:.3f}x", flush=True)
+        for name, bound in sets.items():
+            if bound is None:
+                continue
+            K.BOUND = bound
+            try:
+                print(f"-- timeline with {name}:")
+                timeline(fmt, T, B)
+            finally:
+                K.BOUND = None
+
+
+if __name__ == "__main__":
+    main()
