@@ -592,7 +592,8 @@ def test_split_boundaries_from_a_table(monkeypatch):
                 got = part[b, h, :, s]
                 assert torch.equal(torch.isinf(got), torch.isinf(want)), (b, h, s, got, want)
                 fin = ~torch.isinf(want)
-                assert (got[fin] - want[fin]).abs().max().item() <= 0.02 if fin.any() else True, (b, h, s, got, want)
+                if fin.any():  # (a block of unmasked keys more or less moves these splits' LSEs by 0.056 or more)
+                    assert (got[fin] - want[fin]).abs().max().item() <= 0.02, (b, h, s, got, want)
     monkeypatch.setattr(kernel, "BOUND", bounds[:, :-1].contiguous().to(DEVICE))
     with pytest.raises(ValueError, match="BOUND must be int32"):
         paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=S)
