@@ -61,13 +61,14 @@ def main():
         _, raw = timeline(fmt, T, B)
         BH, S = K.LAST["grid"]
         s = raw[0][0].double()
-        side0, slot, pages = s[:, 1] - s[:, 0].min(), s[:, 6], s[:, 5]
+        t = (s[:, :4] - s[:, 0].min()) / 1e3  # us: entry, side loop start and end, program end
+        side0, slot, pages = t[:, 1], s[:, 6], s[:, 5]
         v = views(B, T, config(fmt), n=1)[0]
         P = v.pages.fmt.block_size
         n_blocks, n_sink, tail_len = v.block_table.shape[1], v.n_sink, v.tail_k.shape[2]
         n_tail = math.ceil(tail_len / P)
         # what the sink and tail blocks cost, in pages: how much later their splits start their pages
-        page_us = ((s[:, 2] - s[:, 1])[pages > 0] / pages[pages > 0]).median().item()
+        page_us = ((t[:, 2] - t[:, 1])[pages > 0] / pages[pages > 0]).median().item()
         base = side0.median().item()
         split = torch.arange(BH * S) % S  # the stamps' order: program (row x KV head) * S + split
         first_split, last_split = split == 0, split == S - 1
