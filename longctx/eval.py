@@ -8,6 +8,7 @@ Results are dataclasses; rendering lives in cli/. A "cache spec" is what to meas
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
 import time
@@ -18,6 +19,7 @@ from importlib import resources
 import torch
 
 from .config import KVConfig
+from .errors import BackendUnavailableError
 from .generate import greedy, prefill
 
 CacheSpec = KVConfig | Callable | None
@@ -50,7 +52,11 @@ def make_cache(model, spec: CacheSpec):
 
 
 def quanto_cache(bits: int = 4):
-    """Factory of Hugging Face's QuantizedCache with the quanto backend (needs optimum-quanto)."""
+    """Factory of Hugging Face's QuantizedCache with the quanto backend. It needs optimum-quanto,
+    checked here, before any measurement runs (transformers would raise only when the cache is
+    built, after the runs before it)."""
+    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+        raise BackendUnavailableError("Hugging Face's QuantizedCache with quanto needs optimum-quanto: pip install optimum-quanto")
 
     def build(model):
         from transformers import QuantizedCache

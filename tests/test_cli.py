@@ -46,10 +46,15 @@ def one_line_error(r, args):
 
 
 def test_known_errors_are_one_line_with_exit_code_2():
-    for args in (["eval", "quality", "--formats", "int9"], ["bench", "decode", "--contexts", "4x"], ["bench", "decode", "--formats", "int5"],
-                 ["bench", "e2e", "--formats", "int5"], ["bench", "prefill", "--formats", "int5"], ["bench", "prefill", "--paths", "fast"],
-                 ["bench", "prefill", "--chunks", "1"]):
-        one_line_error(runner.invoke(app, args), args)
+    cases = [["eval", "quality", "--formats", "int9"], ["bench", "decode", "--contexts", "4x"], ["bench", "decode", "--formats", "int5"],
+             ["bench", "e2e", "--formats", "int5"], ["bench", "prefill", "--formats", "int5"], ["bench", "prefill", "--paths", "fast"],
+             ["bench", "prefill", "--chunks", "1"]]
+    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+        cases.append(["eval", "quality", "--quanto"])  # before the model loads or any format runs
+    for args in cases:
+        line = one_line_error(runner.invoke(app, args), args)
+        if "--quanto" in args:
+            assert "pip install optimum-quanto" in line, line
 
 
 def test_main_entry_point_exits_2_on_known_errors():

@@ -49,14 +49,14 @@ def quality(
     from ..eval import perplexity, quanto_cache
     from ..models import load_model
 
-    specs = _formats(formats)
+    specs = _formats(formats) + ([("HF quanto int4", quanto_cache(4))] if quanto else [])  # (checks optimum-quanto first)
     if text is not None and not text.is_file():
         raise FileNotFoundError(f"no text file at {text}")
     body = text.read_text(encoding="utf-8") if text else None
     console = Console(stderr=True)
     with console.status("loading model..."):
         mdl, tok = load_model(model, device=device)
-    runs = [("exact (DynamicCache)", None)] + specs + ([("HF quanto int4", quanto_cache(4))] if quanto else [])
+    runs = [("exact (DynamicCache)", None)] + specs
     results = []
     for name, spec in runs:
         with console.status(f"perplexity: {name}..."):
