@@ -47,6 +47,16 @@ def weighted_bounds(weights, n_sink, n_sealed, n_tail, dense, tail) -> list[int]
     return out
 
 
+def block_costs(side0, page_us: float, split, S: int, n_sink: int, n_tail: int) -> tuple[float, float]:
+    """What a sink block and the whole tail cost, in pages, from one run's stamps: how much later
+    than the median program the splits holding them (the first and the last) start their pages
+    (side0 [programs], us; split [programs], each program's split of S). At least a page each."""
+    base = side0.median().item()
+    dense = max(1.0, (side0[split == 0].median().item() - base) / page_us / max(n_sink, 1))
+    tail = max(1.0, (side0[split == S - 1].median().item() - base) / page_us) if n_tail else 0.0
+    return dense, tail
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cases", nargs="*", default=["int4:131072:1", "int4:524288:1", "int4:32768:8"])
@@ -67,13 +77,9 @@ def main():
         P = v.pages.fmt.block_size
         n_blocks, n_sink, tail_len = v.block_table.shape[1], v.n_sink, v.tail_k.shape[2]
         n_tail = math.ceil(tail_len / P)
-        # what the sink and tail blocks cost, in pages: how much later their splits start their pages
         page_us = ((t[:, 2] - t[:, 1])[pages > 0] / pages[pages > 0]).median().item()
-        base = side0.median().item()
         split = torch.arange(BH * S) % S  # the stamps' order: program (row x KV head) * S + split
-        first_split, last_split = split == 0, split == S - 1
-        dense = max(1.0, (side0[first_split].median().item() - base) / page_us / max(n_sink, 1))
-        tail = max(1.0, (side0[last_split].median().item() - base) / page_us) if n_tail else 0.0
+        dense, tail = block_costs(side0, page_us, split, S, n_sink, n_tail)
         print(f"== {c}: grid ({BH}, {S}), {n_sink} sink, {n_blocks - n_sink} sealed, tail {tail_len} tokens; "
               f"first slots {(slot < 4).float().mean():.2f} of programs; a page {page_us:.3f} us, "
               f"a sink block {dense:.2f} pages, the tail {tail:.2f}")

@@ -1,9 +1,10 @@
 """What balancing the shares between an SM's first and second warps could buy, from saved stamps.
 
 Reads `scripts/diag_timeline.py --snaps N --save FILE` (any machine, no GPU) and prints, per
-case: each program's page time by its rank on its SM (launch order), how often the launch order
-(lin < 4 x SMs) names the first warps, the ends by class, and the largest end under two models
-of weighted shares (notes v26):
+case: the page time by rank on the SM (launch order) and, where the stamps hold them, by warp
+slot; how often the launch order (lin < 4 x SMs) names the first warps; and the largest end,
+measured and under two models of weighted shares (notes v26; its per-scheduler-pair model is
+arithmetic on the page times printed here):
   - "SM": each SM's programs end together at the SM's summed page rate (the second warps speed
     up as the first ones finish);
   - "own": each program keeps its measured page rate; the first-warp shares are dealt by launch
@@ -19,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from scripts.diag_balance import weighted_bounds
+from scripts.diag_balance import block_costs, weighted_bounds
 
 
 def ranks(sm: torch.Tensor, lin: torch.Tensor) -> torch.Tensor:
@@ -39,7 +40,6 @@ def main():
     a = ap.parse_args()
     for case, v in torch.load(a.file).items():
         BH, S = v["grid"]
-        fmt, T, B = case.split(":")
         runs = [s.double() for snap in v["raw"] for s in snap]
         n = runs[0].shape[0]
         idx = torch.arange(n)
@@ -59,8 +59,7 @@ def main():
                 rate[c & rate.isnan()] = rate[c & ~rate.isnan()].mean()
             base = side0.median().item()
             page = rate.median().item()
-            dense = max(1.0, (side0[split == 0].median().item() - base) / page)
-            tail = max(1.0, (side0[split == S - 1].median().item() - base) / page)
+            dense, tail = block_costs(side0, page, split, S, 1, 1)  # (the bench's views: one sink block, a tail block)
             n_blocks = int(pages.sum().item() / BH) + 1  # sealed pages a row and head, plus the sink block
             rows["measured"].append(end.max().item())
             # SM model: an SM's programs end together at its summed rate
@@ -70,6 +69,8 @@ def main():
                 ends.append((pages[sel].sum() / (1 / rate[sel]).sum()).item() + base + 0.3)
             rows["SM"].append(max(ends))
             for w in a.weights:
+                bounds = [weighted_bounds([w if p + BH * s < 4 * sms else 1.0 for s in range(S)], 1, n_blocks - 1, 1, dense, tail)
+                          for p in range(BH)]
                 for how, fast in (("own, launch order", None), ("own, true rank", rank < 4)):
                     item = idx.clone()
                     claim = 0.0
@@ -83,8 +84,6 @@ def main():
                         by_lin = lin.argsort()
                         item[order] = by_lin[torch.arange(n)]
                         claim = a.claim
-                    bounds = [weighted_bounds([w if p + BH * s < 4 * sms else 1.0 for s in range(S)], 1, n_blocks - 1, 1, dense, tail)
-                              for p in range(BH)]
                     new = []
                     for i in range(n):
                         j = int(item[i])
@@ -95,7 +94,6 @@ def main():
         r = runs[0]
         sm = r[:, 4].long()
         rank = ranks(sm, lin)
-        t0 = r[:, 0].min()
         per = (r[:, 2] - r[:, 1]) / 1e3 / r[:, 5].clamp(min=1)
         print("   us a page by rank:", ", ".join(f"{k} {per[(rank == k) & (r[:, 5] > 2)].mean():.3f}" for k in range(int(rank.max()) + 1)))
         if (r[:, 6] > 0).any():
