@@ -10,7 +10,9 @@ rounds, then prints the new timeline's ends. It answers which model of notes v26
 programs keep their own rates, or do the second warps speed up as the first ones finish?
 
 Usage (GPU machine, repo root):
-  python3 scripts/diag_balance.py [FORMAT:CONTEXT:BATCH ...] [--weights 1.08 1.04] [--rounds 2]
+  python3 scripts/diag_balance.py [FORMAT:CONTEXT:BATCH ...] [--weights 1.08 1.04] [--rounds 2] [--save FILE.pt]
+Then, on any machine, what each class of program did under each set of shares (notes v27):
+  python3 scripts/diag_balance.py --read FILE.pt
 """
 import argparse
 import bisect
@@ -57,18 +59,49 @@ def block_costs(side0, page_us: float, split, S: int, n_sink: int, n_tail: int) 
     return dense, tail
 
 
+def by_class(saved: dict) -> None:
+    """Per case, set of shares and copy: the first-slot and second-slot programs' mean pages, median
+    time a page, median and last end (the splits holding the sink and the tail left out), how many
+    programs sit in the other class than in the run the shares were learned from, and who ended last."""
+    for case, sets in saved.items():
+        learned = sets["equal shares"]["raw"][0][0][:, 6] < 4
+        S = next((len(v["bounds"][0]) - 1 for v in sets.values() if "bounds" in v), None)  # splits a row
+        for name, v in sets.items():
+            for i, s in enumerate(v["raw"][0]):
+                s = s.double()
+                end = (s[:, 3] - s[:, 0].min()) / 1e3
+                walk, pages, first = (s[:, 2] - s[:, 1]) / 1e3, s[:, 5], s[:, 6] < 4
+                inner = pages > 0
+                if S:
+                    split = torch.arange(len(s)) % S
+                    inner &= (split > 0) & (split < S - 1)
+                parts = []
+                for label, sel in (("first", first & inner), ("second", ~first & inner)):
+                    parts.append(f"{label}: {pages[sel].mean():.2f} pages, {(walk[sel] / pages[sel]).median():.3f} us a page, "
+                                 f"ends median {end[sel].median():.2f} max {end[sel].max():.2f}")
+                last = int(end.argmax())
+                print(f"{case} {name}, copy {i}: " + " | ".join(parts) + f" | class moved {(first != learned).double().mean():.3f}"
+                      f" | last: slot {int(s[last, 6])}, {int(pages[last])} pages, end {end[last]:.2f} us")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cases", nargs="*", default=["int4:131072:1", "int4:524288:1", "int4:32768:8"])
     ap.add_argument("--weights", type=float, nargs="*", default=[1.08], help="a first-slot split's share against a second-slot one's")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--save", default=None, help="write each case's stamps (equal shares and each weighted set) and tables here (torch.save)")
+    ap.add_argument("--read", default=None, help="print what a --save file holds, by warp-slot class (no GPU)")
     a = ap.parse_args()
+    if a.read:
+        return by_class(torch.load(a.read))
+    saved = {}
     K.TUNE["merge"] = "launch"  # as under the bench's graphs
     for c in a.cases:
         fmt, T, B = c.split(":")
         T, B = int(T), int(B)
         K.BOUND = None
         _, raw = timeline(fmt, T, B)
+        saved[c] = {"equal shares": {"raw": raw}}
         BH, S = K.LAST["grid"]
         s = raw[0][0].double()
         t = (s[:, :4] - s[:, 0].min()) / 1e3  # us: entry, side loop start and end, program end
@@ -104,9 +137,11 @@ def main():
             K.BOUND = bound
             try:
                 print(f"-- timeline with {name}:")
-                timeline(fmt, T, B)
+                saved[c][name] = {"raw": timeline(fmt, T, B)[1], "bounds": bound.cpu()}
             finally:
                 K.BOUND = None
+        if a.save:
+            torch.save(saved, a.save)  # after each case, so that a time limit keeps the cases done
 
 
 if __name__ == "__main__":
