@@ -2,7 +2,8 @@
 
 Reads `scripts/diag_timeline.py --snaps N --save FILE` (any machine, no GPU) and prints, per
 case: the page time by rank on the SM (launch order) and, where the stamps hold them, by warp
-slot; how often the launch order (lin < 4 x SMs) names the first warps; and the largest end,
+slot; how often the launch order (lin < 4 x SMs) names the first warps; the SMs holding 7 and
+8 programs, their pages and when their last program ends; and the largest end,
 measured and under two models of weighted shares (notes v26; its per-scheduler-pair model is
 arithmetic on the page times printed here):
   - "SM": each SM's programs end together at the SM's summed page rate (the second warps speed
@@ -100,6 +101,18 @@ def main():
             slot = r[:, 6].long()
             print("   us a page by warp slot:", ", ".join(f"{k} {per[(slot == k) & (r[:, 5] > 2)].mean():.3f}" for k in range(int(slot.max()) + 1)))
         print(f"   launch order names the first warps (lin < 4 x SMs == rank < 4) for {((lin < 4 * sms) == (rank < 4)).double().mean():.3f} of programs")
+        # SMs by how many programs they hold: their pages and their last program's end (mean over the runs)
+        for k in sorted({int(c) for c in torch.bincount(sm)[torch.bincount(sm) > 0]}):
+            pages_k, last_k, count = [], [], 0
+            for run in runs:
+                m, e = run[:, 4].long(), (run[:, 3] - run[:, 0].min()) / 1e3
+                held = torch.bincount(m)
+                pick = (held == k).nonzero().flatten()
+                count = len(pick)
+                pages_k += [run[m == j, 5].sum().item() for j in pick]
+                last_k += [e[m == j].max().item() for j in pick]
+            print(f"   SMs holding {k} programs: {count}, {sum(pages_k) / len(pages_k):.1f} pages, last end {sum(last_k) / len(last_k):.2f} us "
+                  f"({min(last_k):.2f}-{max(last_k):.2f})")
         for k, vals in rows.items():
             x = torch.tensor(vals)
             print(f"   largest end, {k}: {x.mean():.2f} us ({x.min():.2f}-{x.max():.2f})")
