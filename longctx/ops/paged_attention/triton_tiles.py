@@ -620,13 +620,7 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
             c0, c1, c2, c3 = _codes_f16n(xk, r, K_BITS, ASM, TINY if TINY_CODES else BIASED)
         qr = _pick(q30, q31, q32, q33, r)
         sr, zr = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
-        if K16 == 1 and TINY_CODES and KS.dtype.element_ty == tl.float16:
-            # fp16 scales: q (rounded to fp16 once, outside the loop) times s in f16x2 products
-            qh = qr * 0.0625 if K_BITS == 4 and r % 2 == 1 else qr
-            qs = qh.to(tl.float16) * sr[:, :, None]
-            corr += qr * zr.to(tl.float32)[:, :, None]
-            st += tl.dot(_pick(c0, c1, c2, c3, r % N), qs)
-        elif K16 == 1:
+        if K16 == 1:
             qs = qr * sr.to(tl.float32)[:, :, None]
             if K_BITS == 4 and r % 2 == 1:
                 qs = qs * 0.0625  # against 1024 + 16 * code, or 16 * code tiny
@@ -701,11 +695,8 @@ def _side_values_folded(VC, VS, VZ, bh, sub, pt, x0, x1, x2, x3, z_acc, alpha, o
     ok = row >= 0
     sg = _token_groups(VS, row, ok, NG).to(tl.float32)  # [W, P, NG]
     zg = _token_groups(VZ, row, ok, NG).to(tl.float16 if ZDOT else tl.float32)
-    if TINY_CODES and VS.dtype.element_ty == tl.float16:  # fp16 scales: p rounded once, times s in f16x2
-        pg = tl.permute(pt.to(tl.float16)[:, :, :, None] * sg.to(tl.float16)[:, :, None, :], (0, 3, 1, 2))
-    else:
-        pg = tl.permute(pt[:, :, :, None] * sg[:, :, None, :], (0, 3, 1, 2)).to(tl.float16)  # [W, NG, P, rows]
-    pg = tl.reshape(pg, (W * NG, P, R))
+    pg = tl.permute(pt[:, :, :, None] * sg[:, :, None, :], (0, 3, 1, 2))  # [W, NG, P, rows]
+    pg = tl.reshape(pg.to(tl.float16), (W * NG, P, R))
     if ZDOT:
         z_acc = z_acc * alpha[:, None, :] + tl.dot(tl.permute(zg, (0, 2, 1)), pt.to(tl.float16))
     else:
