@@ -51,6 +51,8 @@ def main():
     for item in a.ab:
         parts = item.split(",")
         scales = [x.split("=", 1)[1] for x in parts if x.startswith("scales=")]
+        if scales and not isinstance(getattr(torch, scales[-1], None), torch.dtype):
+            raise SystemExit(f"scales={scales[-1]!r} is not a torch dtype (e.g. float16)")
         sets.append((overrides([x for x in parts if not x.startswith("scales=")]), scales[-1] if scales else None))
     for c in a.cases:
         fmt, T, B = c.split(":")
@@ -60,7 +62,8 @@ def main():
                     rows = bench_decode([int(T)], [int(B)], formats=(fmt,), graph=True, block_size=a.block_size)
                 sdpa = next(x.ms for x in rows if x.name == "SDPA dense bf16")
                 ours = next(x.ms for x in rows if x.name.startswith("longctx"))
-                print(f"{c} round {r} {o or ''}{' scales ' + scales if scales else ''}{'' if o or scales else 'default'}: SDPA {sdpa * 1e3:.2f} us, {fmt} {ours * 1e3:.2f} us, {sdpa / ours:.3f}x", flush=True)
+                name = " ".join([str(o)] * bool(o) + [f"scales {scales}"] * bool(scales)) or "default"
+                print(f"{c} round {r} {name}: SDPA {sdpa * 1e3:.2f} us, {fmt} {ours * 1e3:.2f} us, {sdpa / ours:.3f}x", flush=True)
 
 
 if __name__ == "__main__":
