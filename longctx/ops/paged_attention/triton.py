@@ -1141,13 +1141,13 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         grid = (B * H, splits + extra.get("GRID", 0))
         if warmup:
             return _decode_kernel.warmup(*args, grid=grid, MERGE=merge, TREE=tree, **extra, **consts)
-        stamps = {} if STAMP is None else dict(STAMPS=STAMP)
+        hooks = {} if STAMP is None else dict(STAMPS=STAMP)  # diagnostics and experiments, compiled out when None
         if BOUND is not None:  # (experiments: the splits' boundaries from the caller)
             if apart or tuple(BOUND.shape) != (B * H, splits + 1) or BOUND.dtype != torch.int32:
                 raise ValueError(f"BOUND must be int32 [{B * H}, {splits + 1}] (rows x KV heads, splits + 1) and side_apart off, "
                                  f"got {BOUND.dtype} {tuple(BOUND.shape)}")
-            stamps["BOUNDS"] = BOUND
-        LAST.update(kernel=_decode_kernel[grid](*args, MERGE=merge, TREE=tree, **extra, **stamps, **consts), grid=grid, side=side, k16=k16,
+            hooks["BOUNDS"] = BOUND
+        LAST.update(kernel=_decode_kernel[grid](*args, MERGE=merge, TREE=tree, **extra, **hooks, **consts), grid=grid, side=side, k16=k16,
                     svt=svt, zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"], merge=mode,
                     tiny=consts["TINY_CODES"])
         return splits, merged, mode, o, o_r, lse, out, lout
