@@ -51,11 +51,16 @@ def make_cache(model, spec: CacheSpec):
     return spec(model)
 
 
+def has_quanto() -> bool:
+    """Whether optimum-quanto (the quanto backend of Hugging Face's QuantizedCache) imports."""
+    return importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
+
+
 def quanto_cache(bits: int = 4):
     """Factory of Hugging Face's QuantizedCache with the quanto backend. It needs optimum-quanto,
     checked here, before any measurement runs (transformers would raise only when the cache is
     built, after the runs before it)."""
-    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+    if not has_quanto():
         raise BackendUnavailableError("Hugging Face's QuantizedCache with quanto needs optimum-quanto: pip install optimum-quanto")
 
     def build(model):

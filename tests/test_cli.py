@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from longctx.cli import app
+from longctx.eval import has_quanto
 
 runner = CliRunner(env={"COLUMNS": "200"})  # rich wraps at 80 columns otherwise
 
@@ -49,7 +50,7 @@ def test_known_errors_are_one_line_with_exit_code_2():
     cases = [["eval", "quality", "--formats", "int9"], ["bench", "decode", "--contexts", "4x"], ["bench", "decode", "--formats", "int5"],
              ["bench", "e2e", "--formats", "int5"], ["bench", "prefill", "--formats", "int5"], ["bench", "prefill", "--paths", "fast"],
              ["bench", "prefill", "--chunks", "1"]]
-    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+    if not has_quanto():
         cases.append(["eval", "quality", "--quanto"])  # before the model loads or any format runs
     for args in cases:
         line = one_line_error(runner.invoke(app, args), args)
