@@ -81,6 +81,36 @@ def _within_budget(case, dtype, starts=None):
     assert (lse.cpu().double() - exact_lse).abs().max().item() <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[dtype])
 
 
+def test_decode_plans_are_cached_and_keyed(monkeypatch):
+    """A decode call's plan (splits, loop shape, constexprs) is built once and reused while
+    what decides it stays: the same call again takes it from the cache and gives the same
+    bits; a longer context (more blocks), another TUNE or left padding gets its own plan,
+    within the budget; the STAMP and BOUND hooks' experiments are not cached."""
+    monkeypatch.setattr(K, "_PLANS", {})
+    case = (1, 300, 8, 2, 64, 16, dict(bits=4), False, None)
+    cfg = KVConfig(block_size=16, bits=4)
+    cache, k, v = fill(cfg, 1, 300, 1, 2, 64, dtype=torch.float16, seed=3)
+    view = _to(cache.view(0), DEVICE)
+    q = torch.randn(1, 8, 1, 64, generator=torch.Generator().manual_seed(4)).to(torch.float16).to(DEVICE)
+    a, _ = paged_decode_triton(q, view, None, 64**-0.5)
+    assert len(K._PLANS) == 1
+    b, _ = paged_decode_triton(q, view, None, 64**-0.5)
+    assert len(K._PLANS) == 1 and torch.equal(a, b)
+    for T in (300, 1000):  # 1000 tokens: more blocks, more splits' work, a plan of its own
+        _within_budget(case[:1] + (T,) + case[2:], torch.float16)
+    assert len(K._PLANS) == 2  # (300 tokens again, other values in the same shapes: no new plan)
+    monkeypatch.setitem(TUNE, "side_short", 0 if TUNE["side_short"] else 2)
+    _within_budget(case, torch.float16)
+    _within_budget(case, torch.float16, starts=[7])
+    assert len(K._PLANS) == 4
+    st = K._setup(q[:, :, 0], view, None, "test", consts=False)
+    assert K._plan_key(st, q, view, None, None, False) in K._PLANS
+    for hook in ("STAMP", "BOUND"):  # (the interpreter runs no %globaltimer: the key alone)
+        with monkeypatch.context() as m:
+            m.setattr(K, hook, torch.zeros(4, dtype=torch.int32, device=DEVICE))
+            assert K._plan_key(st, q, view, None, None, False) is None
+
+
 def _to(view, device):
     import dataclasses
 

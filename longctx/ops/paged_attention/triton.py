@@ -970,16 +970,14 @@ class _Setup(NamedTuple):
     sm: int  # SMs to fill (4 off the GPU, where the interpreter runs)
     gpu: bool  # compiled for a GPU, not interpreted
     pools: tuple
-    consts: dict  # the constexprs both kernels take
+    consts: dict | None  # the constexprs both kernels take (`_kernel_consts`; None where not asked for)
 
 
-def _setup(q, view: PagedView, start, who: str) -> _Setup:
+def _setup(q, view: PagedView, start, who: str, consts: bool = True) -> _Setup:
+    """What a launch takes from q and the view; with consts=False its constexprs are None
+    (`_kernel_consts` gives them: a cached decode plan holds its own)."""
     fmt = view.pages.fmt
-    words = TUNE["words"]
-    per_v = _per(fmt.v_bits, words)
-    if fmt.group_size % per_v:
-        raise BackendUnavailableError(f"{who} needs group_size divisible by {per_v} at {fmt.v_bits} bits, got {fmt.group_size}")
-    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+    B, D = q.shape[0], q.shape[-1]
     if q.stride(-1) != 1:
         q = q.contiguous()
     hmat = hadamard(D, torch.float32, q.device) if fmt.rotate else None
@@ -995,8 +993,21 @@ def _setup(q, view: PagedView, start, who: str) -> _Setup:
     total = n_blocks + (tail_len + fmt.block_size - 1) // fmt.block_size
     device = _device(q)
     sm = _sm_count(device) if q.is_cuda else 4
+    words = TUNE["words"]
     pools = kernel_pools(view, who, lambda c, bits: _words(c, bits, words))
-    KS = pools[3]
+    gpu = q.is_cuda and not _interpreting()
+    return _Setup(fmt, q, qr, hmat, table, n_blocks, tail_len, total, device, sm, gpu, pools,
+                  _kernel_consts(fmt, q, pools[3], start, gpu, who) if consts else None)
+
+
+def _kernel_consts(fmt, q, KS, start, gpu: bool, who: str) -> dict:
+    """The constexprs both kernels take, from the format, q [B, H_q, ..., D], K's scales (KS,
+    for their dtype), whether rows start late, and TUNE (checked here)."""
+    words = TUNE["words"]
+    per_v = _per(fmt.v_bits, words)
+    if fmt.group_size % per_v:
+        raise BackendUnavailableError(f"{who} needs group_size divisible by {per_v} at {fmt.v_bits} bits, got {fmt.group_size}")
+    Hq, D = q.shape[1], q.shape[-1]
     dot = tl.float16 if q.dtype == torch.float16 else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32)
     half = dot != tl.float32
     if TUNE["asm"] not in (0, 1, 2, 4):
@@ -1010,13 +1021,11 @@ def _setup(q, view: PagedView, start, who: str) -> _Setup:
     # in fp16 (bf16 scales and zeros convert exactly within fp16's normal range, 6.1e-5 to
     # 65504; smaller ones lose bits as subnormals, larger ones would overflow)
     kdt = tl.bfloat16 if KS.dtype == torch.bfloat16 and fmt.k_bits <= 4 else tl.float16
-    gpu = q.is_cuda and not _interpreting()
-    consts = dict(H=fmt.num_kv_heads, G=Hq // fmt.num_kv_heads, D=D, P=fmt.block_size, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
-                  GS=fmt.group_size, ROTATE=fmt.rotate, HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
-                  K16=k16, V16=half and TUNE["v16"], KDT=kdt, WORDS=words, ASM=int(TUNE["asm"]) if gpu else 0,
-                  # sub-tiles per side: codes per load word (int16 words for 8 and 4 bits when WORDS)
-                  PK=_per(fmt.k_bits, words), PV=per_v)
-    return _Setup(fmt, q, qr, hmat, table, n_blocks, tail_len, total, device, sm, gpu, pools, consts)
+    return dict(H=fmt.num_kv_heads, G=Hq // fmt.num_kv_heads, D=D, P=fmt.block_size, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
+                GS=fmt.group_size, ROTATE=fmt.rotate, HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
+                K16=k16, V16=half and TUNE["v16"], KDT=kdt, WORDS=words, ASM=int(TUNE["asm"]) if gpu else 0,
+                # sub-tiles per side: codes per load word (int16 words for 8 and 4 bits when WORDS)
+                PK=_per(fmt.k_bits, words), PV=per_v)
 
 
 def _device(q) -> int | None:
@@ -1035,15 +1044,71 @@ def _merge_rotated(o, o_r, lse, hmat):
     return out, torch.where(denom > 0, m + torch.log(torch.where(denom > 0, denom, 1.0)), float("-inf"))
 
 
-def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
-    """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None)."""
-    st = _setup(q[:, :, 0], view, start, "paged_decode_triton")
-    fmt, q2, qr, hmat, table, n_blocks = st.fmt, st.q, st.qr, st.hmat, st.table, st.n_blocks
-    tail_len, total, device, sm, gpu = st.tail_len, st.total, st.device, st.sm, st.gpu
-    KD, VD, KC, KS, KZ, VC, VS, VZ = st.pools
-    B, Hq, _, D = q.shape
-    H, G = fmt.num_kv_heads, st.consts["G"]
+class _Plan(NamedTuple):
+    """What a decode launch derives from its shapes, dtypes, lengths and TUNE, apart from the
+    tensors themselves (`_decode_plan`). The layers of a decode step launch alike, and so do
+    the steps until the next block seals: `_PLANS` keeps plans by what decides them, so that a
+    call's host work is its checks, its buffers and the launch."""
+    splits: int
+    bps: int  # logical blocks a split (whole loop steps)
+    apart: bool  # side_apart: the sinks and the tail in a split of their own
+    merged: bool  # one split: the kernel writes the final output
+    mode: str  # how the splits merge (`merge_mode`): "kernel", "grid", "launch" or ""
+    grid: tuple  # the decode launch's grid: (rows x KV heads, splits and any merge programs)
+    counters: int  # int32 counters the launch takes (0: none; the table stands in)
+    consts: dict  # the launch's keywords: constexprs and options
+    pdl: dict  # the merge launch's PDL keywords
+    last: dict  # what LAST reports besides the compiled kernel
+
+
+_PLANS: dict = {}  # decode plans by their key (`paged_decode_triton`), emptied when large
+_PLANS_MAX = 1024
+
+
+def _plan_key(st: _Setup, q, view: PagedView, start, splits, capturing: bool):
+    """What decides a decode plan, or None where it is not cached (the STAMP and BOUND hooks,
+    whose launches are experiments): the format, shapes and dtypes, the lengths (in blocks,
+    and whether there are sink blocks and a tail), the split count asked for, graph capture,
+    the device's probe for tiny codes (run here the first time, so that the first call's key
+    is the next ones'), and TUNE."""
+    if STAMP is not None or BOUND is not None:
+        return None
+    tiny = tiny_codes_exact(q.device)
+    return (st.fmt, tuple(q.shape), q.dtype, st.pools[3].dtype, start is None, st.device, st.gpu, st.total, st.n_blocks,
+            min(view.n_sink, st.n_blocks), st.tail_len > 0, splits, capturing, tiny, tuple(TUNE.items()))
+
+
+def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan):
+    """The decode launch's buffers and arguments under `plan`: (o, o_r, lse, out, lout, args)."""
+    q, fmt = st.q, st.fmt
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+    o = torch.empty(B, Hq, plan.splits, D, dtype=q.dtype if plan.merged else torch.float32, device=q.device)
+    o_r = torch.empty_like(o) if fmt.rotate else o
+    lse = torch.empty(B, Hq, plan.splits, dtype=torch.float32, device=q.device)
+    out, lout, count = o, lse, st.table
+    if plan.splits > 1 and not fmt.rotate:
+        out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+        lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
+        if plan.counters:
+            count = _counters(q.device, plan.counters)
     tail_k, tail_v = view.tail_k, view.tail_v
+    args = (st.q, st.qr, st.table, start if start is not None else st.table,
+            view.sink_k, view.sink_v, *st.pools, tail_k, tail_v,
+            o, o_r, lse, out, lout, count,
+            st.q.stride(0), st.q.stride(1), st.table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
+            st.n_blocks, min(view.n_sink, st.n_blocks), st.tail_len, plan.bps, scale, plan.splits, int(plan.apart))
+    return o, o_r, lse, out, lout, args
+
+
+def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, capturing: bool) -> tuple[_Plan, bool]:
+    """The launch plan of a decode call (split count, loop shape, merge, constexprs), and
+    whether it may be cached (not while the tiny-code probe is still to run). Compiles the
+    kernel where the split count depends on how many programs fit."""
+    fmt, q, total, sm, gpu, device = st.fmt, st.q, st.total, st.sm, st.gpu, st.device
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+    H, G = fmt.num_kv_heads, st.consts["G"]
+    KS = st.pools[3]
+    half = st.consts["DOT"] != tl.float32
     sixteen = fmt.k_bits == 16 and fmt.v_bits == 16
     ppsm = TUNE["programs16"] if sixteen else TUNE["programs_per_sm"]
     guess = splits or num_splits(B, H, total, sm, ppsm)
@@ -1051,7 +1116,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     short = not sixteen and math.ceil(total / guess) <= 2
     side = _side(fmt, short)
     opts = dict(num_warps=side or TUNE["num_warps"])
-    k16 = _side_k16(st.consts["DOT"] != tl.float32, KS.dtype in (torch.float16, torch.bfloat16)) if side else st.consts["K16"]
+    k16 = _side_k16(half, KS.dtype in (torch.float16, torch.bfloat16)) if side else st.consts["K16"]
     stages = TUNE["side_stages"] if side else TUNE["stages16"] if sixteen else TUNE["short_stages"] if short else TUNE["num_stages"]
     if stages is not None:
         opts["num_stages"] = stages
@@ -1063,19 +1128,18 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     pages_per_step = side or _pages_per_step(fmt)
     rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(G))  # (triton pads a dot's M < 16 itself)
     # values transposed, their scales folded into the fp16 probabilities (16-bit inputs only)
-    svt = bool(side and TUNE["side_vt"] and st.consts["DOT"] != tl.float32)
+    svt = bool(side and TUNE["side_vt"] and half)
+    # (the probe runs only where a side loop's dots would take tiny codes)
+    tiny = tiny_codes_exact(q.device) if side and (k16 == 1 or svt) and TUNE["side_tiny"] else False
     consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and fmt.v_bits <= TUNE["side_zdot"],
                   SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
-                  # (the probe runs only where a side loop's dots would take tiny codes)
-                  TINY_CODES=bool(side) and (k16 == 1 or svt) and TUNE["side_tiny"] and bool(tiny_codes_exact(q.device)),
-                  GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
-
+                  TINY_CODES=bool(tiny), GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
     # programmatic dependent launch (sm_90+): each launch may start while the one before it
     # ends, and waits for it on the GPU (gdc_wait) before reading what it wrote
     pdl = dict(PDL=True, launch_pdl=True) if gpu and TUNE["pdl"] and torch.cuda.get_device_capability(device) >= (9, 0) else {}
     consts.update(pdl)
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    last = dict(side=side, k16=k16, svt=svt, zdot=consts["ZDOT"], skip=consts["SKIP"], short=short, mask=consts["MASK"], tiny=consts["TINY_CODES"])
 
     def merge_mode(splits: int) -> str:
         """How the splits merge: "kernel" (the last split), "grid" (merge programs in the same
@@ -1083,74 +1147,45 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         (one split, rotation)."""
         return _merge_mode(TUNE["merge"], capturing) if splits > 1 and not fmt.rotate else ""
 
-    def merge_shape(splits: int) -> dict:
-        """The merge's compile-time shape (`_merge_head`), the launch's and the grid's: splits
-        padded to a power of two, read TUNE["merge_chunk"] at a time, in blocks of BD columns
-        (`_merge_cols`; 0: all). (After merge_mode, which checks the knobs.)"""
-        return dict(S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=_merge_cols(D, B * Hq, sm))
-
-    def fit_for(splits: int) -> int:
-        """Programs of the compiled kernel (its merge mode at `splits`) one SM holds (GPU)."""
-        key = (device, fmt, q.dtype, KS.dtype, start is not None, merge_mode(splits), stages, side, tuple(TUNE.items()))
-        fit = _FIT.get(key)
-        if fit is None:  # (the in-kernel merge costs registers: 165 against 128 on triton 3.6)
-            fit = _FIT[key] = _fit(launch(splits, warmup=True), opts["num_warps"], device)
-        return fit
-
-    def launch(splits: int, warmup: bool = False):
-        """Buffers for `splits` splits and the kernel launched over them (compiled only, not
-        run, with warmup)."""
-        n_sink = min(view.n_sink, n_blocks)
-        sealed = n_blocks - n_sink
+    def plan_for(splits: int, warmup: bool = False) -> _Plan:
+        """The plan at (about) `splits` splits: whole loop steps a split, so the count may fall."""
+        n_sink = min(view.n_sink, st.n_blocks)
+        sealed = st.n_blocks - n_sink
         # side_apart: the sinks and the tail get a split of their own, the sealed pages the rest
-        apart = bool(side and TUNE["side_apart"] and splits > 1 and sealed > 0 and (n_sink or tail_len))
+        apart = bool(side and TUNE["side_apart"] and splits > 1 and sealed > 0 and (n_sink or st.tail_len))
         if apart:
             bps = side * max(1, math.ceil(sealed / (splits - 1) / side))
             splits = math.ceil(sealed / bps) + 1
         else:
             bps = pages_per_step * max(1, math.ceil(total / splits / pages_per_step))  # whole steps per split
             splits = max(1, math.ceil(total / bps))
-        merged = splits == 1 and not fmt.rotate  # one split: the kernel writes the final output
         mode = merge_mode(splits)
         extra = {}
         if mode == "grid":
-            extra = merge_shape(splits)
+            extra = merge_shape(B, Hq, D, sm, splits)
             extra["GRID"] = G * (D // extra["BD"] if extra["BD"] else 1)  # merge programs a (row, KV head)
             # the merge programs wait for the splits: they must leave the splits room on the
             # GPU whatever order it starts programs in (half its slots; the interpreter runs
             # them after their splits)
             if gpu and not warmup and B * H * extra["GRID"] > fit_for(splits) * sm // 2:
                 mode, extra = "launch", {}
-        merge = mode == "kernel"
-        tree = _merge_tree(splits) if merge else 0
-        o = torch.empty(B, Hq, splits, D, dtype=q.dtype if merged else torch.float32, device=q.device)
-        o_r = torch.empty_like(o) if fmt.rotate else o
-        lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
-        out, lout, count = o, lse, table
-        if splits > 1 and not fmt.rotate:
-            out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
-            lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
+        tree = _merge_tree(splits) if mode == "kernel" else 0
+        counters = 0
+        if splits > 1 and not fmt.rotate and mode in ("kernel", "grid"):
             # grid: the splits stored, the merge programs done; tree: a counter per group, and one for the groups
-            per_head = 2 if mode == "grid" else (math.ceil(splits / tree) + 1 if tree else 1)
-            count = _counters(q.device, B * H * per_head) if mode in ("kernel", "grid") else table
-        args = (q2, qr, table, start if start is not None else table,
-                view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, tail_k, tail_v,
-                o, o_r, lse, out, lout, count,
-                q2.stride(0), q2.stride(1), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-                n_blocks, n_sink, tail_len, bps, scale, splits, int(apart))
-        grid = (B * H, splits + extra.get("GRID", 0))
-        if warmup:
-            return _decode_kernel.warmup(*args, grid=grid, MERGE=merge, TREE=tree, **extra, **consts)
-        hooks = {} if STAMP is None else dict(STAMPS=STAMP)  # diagnostics and experiments, compiled out when None
-        if BOUND is not None:  # (experiments: the splits' boundaries from the caller)
-            if apart or tuple(BOUND.shape) != (B * H, splits + 1) or BOUND.dtype != torch.int32:
-                raise ValueError(f"BOUND must be int32 [{B * H}, {splits + 1}] (rows x KV heads, splits + 1) and side_apart off, "
-                                 f"got {BOUND.dtype} {tuple(BOUND.shape)}")
-            hooks["BOUNDS"] = BOUND
-        LAST.update(kernel=_decode_kernel[grid](*args, MERGE=merge, TREE=tree, **extra, **hooks, **consts), grid=grid, side=side, k16=k16,
-                    svt=svt, zdot=consts["ZDOT"], tree=tree, apart=apart, skip=consts["SKIP"], short=short, mask=consts["MASK"], merge=mode,
-                    tiny=consts["TINY_CODES"])
-        return splits, merged, mode, o, o_r, lse, out, lout
+            counters = B * H * (2 if mode == "grid" else (math.ceil(splits / tree) + 1 if tree else 1))
+        return _Plan(splits, bps, apart, splits == 1 and not fmt.rotate, mode, (B * H, splits + extra.get("GRID", 0)), counters,
+                     dict(consts, MERGE=mode == "kernel", TREE=tree, **extra), pdl, dict(last, tree=tree, apart=apart, merge=mode))
+
+    def fit_for(splits: int) -> int:
+        """Programs of the compiled kernel (its merge mode at `splits`) one SM holds (GPU)."""
+        key = (device, fmt, q.dtype, KS.dtype, start is not None, merge_mode(splits), stages, side, tuple(TUNE.items()))
+        fit = _FIT.get(key)
+        if fit is None:  # (the in-kernel merge costs registers: 165 against 128 on triton 3.6)
+            plan = plan_for(splits, warmup=True)
+            args = _decode_args(st, view, start, scale, plan)[-1]
+            fit = _FIT[key] = _fit(_decode_kernel.warmup(*args, grid=plan.grid, **plan.consts), opts["num_warps"], device)
+        return fit
 
     if splits is None:
         splits = guess
@@ -1158,15 +1193,49 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
             fit = fit_for(splits)
             if fit < ppsm:
                 splits = num_splits(B, H, total, sm, fit)
-    splits, merged, mode, o, o_r, lse, out, lout = launch(splits)
-    if merged:
+    plan = plan_for(splits)
+    # not cached while the probe is still to run (under graph capture), nor the merge grid,
+    # whose shape `merge_shape` decides at each call
+    return plan, tiny is not None and plan.mode != "grid"
+
+
+def merge_shape(B: int, Hq: int, D: int, sm: int, splits: int) -> dict:
+    """The merge's compile-time shape (`_merge_head`), the launch's and the grid's: splits
+    padded to a power of two, read TUNE["merge_chunk"] at a time, in blocks of BD columns
+    (`_merge_cols`; 0: all). (After `_merge_mode`, which checks the knobs.)"""
+    return dict(S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=_merge_cols(D, B * Hq, sm))
+
+
+def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
+    """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None)."""
+    st = _setup(q[:, :, 0], view, start, "paged_decode_triton", consts=False)
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = _plan_key(st, q, view, start, splits, capturing)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        st = st._replace(consts=_kernel_consts(st.fmt, st.q, st.pools[3], start, st.gpu, "paged_decode_triton"))
+        plan, cacheable = _decode_plan(st, view, start, scale, splits, capturing)
+        if key is not None and cacheable:
+            if len(_PLANS) >= _PLANS_MAX:  # (a plan per block count: long generations would pile them up)
+                _PLANS.clear()
+            _PLANS[key] = plan
+    o, o_r, lse, out, lout, args = _decode_args(st, view, start, scale, plan)
+    hooks = {} if STAMP is None else dict(STAMPS=STAMP)  # diagnostics and experiments, compiled out when None
+    if BOUND is not None:  # (experiments: the splits' boundaries from the caller)
+        if plan.apart or tuple(BOUND.shape) != (plan.grid[0], plan.splits + 1) or BOUND.dtype != torch.int32:
+            raise ValueError(f"BOUND must be int32 [{plan.grid[0]}, {plan.splits + 1}] (rows x KV heads, splits + 1) and side_apart off, "
+                             f"got {BOUND.dtype} {tuple(BOUND.shape)}")
+        hooks["BOUNDS"] = BOUND
+    LAST.update(kernel=_decode_kernel[plan.grid](*args, **plan.consts, **hooks), grid=plan.grid, **plan.last)
+    if plan.merged:
         return o, (lse if return_lse else None)
-    if fmt.rotate:
-        out, total_lse = _merge_rotated(o, o_r, lse, hmat)
+    if st.fmt.rotate:
+        out, total_lse = _merge_rotated(o, o_r, lse, st.hmat)
         return out[:, :, None].to(q.dtype), (total_lse if return_lse else None)
-    if mode == "launch":
-        shape = merge_shape(splits)
+    if plan.mode == "launch":
+        B, Hq, _, D = q.shape
+        shape = merge_shape(B, Hq, D, st.sm, plan.splits)
         _merge_kernel[(B * Hq, D // shape["BD"] if shape["BD"] else 1)](
-            o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            HQ=Hq, D=D, **shape, num_warps=4, **pdl)
+            o, lse, out, lout, plan.splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+            HQ=Hq, D=D, **shape, num_warps=4, **plan.pdl)
     return out, (lout if return_lse else None)
