@@ -663,7 +663,9 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # --merge-splits). merge_chunk: the merge launch reads at most this many splits at once (0:
 # all): 128 leaves launches of up to 128 splits as they were and takes 512k's 131 (the
 # default's own grid there) in two steps of 128 with no spill: int4 512k 0.1895 ms against
-# 0.2183 with 0, int8 512k 0.2809 against 0.3522 (v14, same sweep). With it, side_apart wins
+# 0.2183 with 0, int8 512k 0.2809 against 0.3522 (v14, same sweep). With merge_cols' 32 columns
+# at batch 1, 131 splits at once compile without spills (118 registers) but save ~0.1 us of the
+# 2.9 us merge (v28): the chunks stay for launches of all 128 columns. With it, side_apart wins
 # at 4k (0.0102 against 0.0113) and ties at 512k (0.1880 against 0.1895), but loses at 128k
 # (0.0541 against 0.0525), int8 128k (0.0818 against 0.0797) and B8 32k (0.1020 against
 # 0.0910): off by default. side_zdot: with side_vt, V's zero-point term sum_t p z per group
@@ -700,7 +702,9 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # side_stages 3 (the sinks and tail loops kept at two, 18.7 KB of shared memory a program;
 # int8 pages take 34.5 KB, 6 programs an SM), same runs (v16): int4 128k 46.4, 46.6 against
 # 45.4, 45.3 us; 512k 155.2, 155.0 against 157.9, 158.2; batch 8 at 32k 83.4, 83.4 against
-# 83.7, 83.4; 4k 7.4, 7.4 against 6.8, 6.8. Cheaper a page, dearer a program: not kept.
+# 83.7, 83.4; 4k 7.4, 7.4 against 6.8, 6.8. Cheaper a page, dearer a program: not kept. v28
+# (diag_parts --ab, decode kernel): slower at 512k too now, 155.6-155.8 against 152.9-153.1 us;
+# 128k 46.2-46.4 against 43.8-43.9; batch 8 83.8-84.0 against 80.5-80.6.
 # Tried and dropped (v16, same kind of runs): an L2 prefetch (`prefetch.global.L2`) of the
 # pages one to three steps ahead, slower by 2-16 us at 128k and more with distance. v17: asm 1
 # capped at 200 registers (10 warps an SM, no spills in the side loop) 71.4 against 45.8 us at
