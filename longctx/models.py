@@ -88,7 +88,10 @@ def load_model(
         dtype = getattr(torch, dtype)
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     source, extra = _resolve(name)
-    kwargs: dict = {"dtype": dtype, **extra}
+    # use_kernels=False: transformers 5.25 turned its Hub kernels on by default (layers swapped
+    # for kernels the `kernels` package fetches from the Hub, which an offline machine cannot
+    # reach and our quality tables never measured); 5.17-5.24 take the flag, off by default
+    kwargs: dict = {"dtype": dtype, "use_kernels": False, **extra}
     if load_in_4bit or load_in_8bit:
         if not device.startswith("cuda") or not torch.cuda.is_available():
             raise ValueError("bitsandbytes 4/8-bit weights need a CUDA GPU; drop --load-in-4bit/--load-in-8bit on CPU")

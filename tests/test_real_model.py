@@ -21,6 +21,24 @@ def smol():
     return model, tok
 
 
+def test_load_model_keeps_hub_kernels_off(monkeypatch):
+    """transformers 5.25 swaps layers for Hub kernels unless told not to (its default turned
+    on); load_model asks for none on every version, so the model it returns loads offline and
+    is the one the quality tables measured."""
+    from transformers import AutoModelForCausalLM
+
+    seen = {}
+    real = AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    model, _ = load_model(device="cpu")
+    assert seen.get("use_kernels") is False and not getattr(model, "use_kernels", False)
+
+
 def chat_batch(tok):
     prompts = ["What is the capital of France?", "Write a short poem about the sea, the wind and a lighthouse keeper who waits."]
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False) for p in prompts]
