@@ -195,7 +195,7 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
         qq, qr, table, start if start is not None else table,
         view.sink_k, view.sink_v, *st.pools, tail_k, tail_v, o, o_r, lse,
         qq.stride(0), qq.stride(1), qq.stride(2), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-        n_blocks, min(view.n_sink, n_blocks), tail_len, C, bps, scale, splits,
+        n_blocks, st.n_sink, tail_len, C, bps, scale, splits,
         BT=bt, M=max(16, triton.next_power_of_2(bt * G)),
         **dict(st.consts, K16=TUNE["prefill_k16"] if st.consts["K16"] else 0, V16=st.consts["V16"] and TUNE["prefill_v16"]),
         num_warps=TUNE["prefill_warps"], num_stages=TUNE["prefill_stages"],

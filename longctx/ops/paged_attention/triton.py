@@ -968,6 +968,7 @@ class _Setup(NamedTuple):
     hmat: torch.Tensor | None
     table: torch.Tensor  # at least one column
     n_blocks: int
+    n_sink: int  # sink blocks the table holds (at most n_blocks)
     tail_len: int
     total: int  # logical blocks: sinks, sealed pages, then the tail's
     device: int | None  # CUDA device index
@@ -1000,7 +1001,7 @@ def _setup(q, view: PagedView, start, who: str, consts: bool = True) -> _Setup:
     words = TUNE["words"]
     pools = kernel_pools(view, who, lambda c, bits: _words(c, bits, words))
     gpu = q.is_cuda and not _interpreting()
-    return _Setup(fmt, q, qr, hmat, table, n_blocks, tail_len, total, device, sm, gpu, pools,
+    return _Setup(fmt, q, qr, hmat, table, n_blocks, min(view.n_sink, n_blocks), tail_len, total, device, sm, gpu, pools,
                   _kernel_consts(fmt, q, pools[3], start, gpu, who) if consts else None)
 
 
@@ -1079,7 +1080,7 @@ def _plan_key(st: _Setup, q, view: PagedView, start, splits, capturing: bool):
         return None
     tiny = tiny_codes_exact(q.device)
     return (st.fmt, tuple(q.shape), q.dtype, st.pools[3].dtype, start is None, st.device, st.gpu, st.total, st.n_blocks,
-            min(view.n_sink, st.n_blocks), st.tail_len > 0, splits, capturing, tiny, tuple(TUNE.items()))
+            st.n_sink, st.tail_len > 0, splits, capturing, tiny, tuple(TUNE.items()))
 
 
 def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan):
@@ -1100,7 +1101,7 @@ def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan):
             view.sink_k, view.sink_v, *st.pools, tail_k, tail_v,
             o, o_r, lse, out, lout, count,
             st.q.stride(0), st.q.stride(1), st.table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-            st.n_blocks, min(view.n_sink, st.n_blocks), st.tail_len, plan.bps, scale, plan.splits, int(plan.apart))
+            st.n_blocks, st.n_sink, st.tail_len, plan.bps, scale, plan.splits, int(plan.apart))
     return o, o_r, lse, out, lout, args
 
 
@@ -1153,8 +1154,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
 
     def plan_for(splits: int, warmup: bool = False) -> _Plan:
         """The plan at (about) `splits` splits: whole loop steps a split, so the count may fall."""
-        n_sink = min(view.n_sink, st.n_blocks)
-        sealed = st.n_blocks - n_sink
+        n_sink, sealed = st.n_sink, st.n_blocks - st.n_sink
         # side_apart: the sinks and the tail get a split of their own, the sealed pages the rest
         apart = bool(side and TUNE["side_apart"] and splits > 1 and sealed > 0 and (n_sink or st.tail_len))
         if apart:
