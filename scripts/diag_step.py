@@ -114,24 +114,21 @@ def sync_sites(model, ids, make_cache, steps: int = 2) -> list[str]:
             tok = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
         sites: dict = {}
-        show = warnings.showwarning
 
         def record(message, category, filename, lineno, file=None, line=None):
             frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "warnings" not in f.filename]
             key = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames[-4:][::-1])
             sites[key] = sites.get(key, 0) + 1
 
-        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings():  # (which puts showwarning back on exit)
                 warnings.simplefilter("always")
                 warnings.showwarning = record
                 for _ in range(steps):
                     tok = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = show
     if hasattr(cache, "detach"):
         cache.detach()
     return [f"{n / steps:g} a step: {k}" for k, n in sorted(sites.items(), key=lambda kv: -kv[1])]
