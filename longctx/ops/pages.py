@@ -5,6 +5,7 @@ Notation: B batch rows, H_kv KV heads, P tokens per block (page), D head_dim, N 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,10 @@ class PagedView:
     block_table: int32 [B, n_blocks] -> physical block id; logical blocks j < n_sink index
                  sink_k/sink_v [N_sink, H_kv, P, D], the others index `pages`.
     tail_k/tail_v: [B, H_kv, T_tail, D], the newest tokens, never quantized yet.
+    tail_len:    None (the tail is all of tail_k), or int32 [1] on the device: the tokens of
+                 tail_k that count, the rest being room (1 .. T_tail). A decode step replayed
+                 from a CUDA graph reads its length there, since a replay cannot change a host
+                 int; the triton decode kernel loads it, other paths read it back (one sync).
     Row b's token t (0-based over the whole sequence) is logical block t // P, slot t % P,
     or tail slot t - n_blocks * P.
     """
@@ -56,6 +61,7 @@ class PagedView:
     n_sink: int
     tail_k: torch.Tensor
     tail_v: torch.Tensor
+    tail_len: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -67,7 +73,16 @@ class PagedView:
 
     @property
     def total_len(self) -> int:
+        """Tokens a row holds (with a device `tail_len`: at most this many)."""
         return self.past_len + self.tail_k.shape[2]
+
+    def host_tail(self) -> PagedView:
+        """This view with a device `tail_len` read back (one sync) and the tail cut to it:
+        what paths without device lengths take."""
+        if self.tail_len is None:
+            return self
+        n = int(self.tail_len.reshape(-1)[0])
+        return dataclasses.replace(self, tail_k=self.tail_k[:, :, :n], tail_v=self.tail_v[:, :, :n], tail_len=None)
 
 
 _PLACEHOLDERS: dict = {}

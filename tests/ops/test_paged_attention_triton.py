@@ -111,6 +111,56 @@ def test_decode_plans_are_cached_and_keyed(monkeypatch):
             assert K._plan_key(st, q, view, None, None, False) is None
 
 
+# (B, T, Hq, Hkv, D, block, cfg kwargs, padding, splits): tails of 12, 4 and 2 tokens in blocks of 16
+DEVICE_TAIL_CASES = [
+    (1, 300, 8, 2, 64, 16, dict(bits=4), False, None),
+    (2, 200, 4, 1, 64, 16, dict(bits=4, k_bits=8), True, 4),
+    (1, 130, 8, 2, 128, 16, dict(bits=16), True, 3),
+    (2, 98, 4, 2, 64, 16, dict(bits=4, rotate=True), False, 2),
+]
+
+
+@pytest.mark.parametrize("case", DEVICE_TAIL_CASES, ids=[case_id(c) for c in DEVICE_TAIL_CASES])
+def test_device_tail_length(case):
+    """A tail whose length is on the device (a CUDA graph's replays advance it) reads the
+    tail's first tail_len slots, not the room after them: the same bits as the host length
+    where the room stays within the tail's block; within the budget against the host length
+    where a whole block of room gives the splits another block to share; and paths without
+    device lengths (the reference backend) read it back."""
+    import dataclasses
+
+    B, T, Hq, Hkv, D, P, kw, pad, sp = case
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    cfg = KVConfig(block_size=P, **kw)
+    cache, _, _ = fill(cfg, B, T, 1, Hkv, D, dtype=dtype, seed=T)
+    cache.seal()  # (as a decode step starts: the tail shorter than a block)
+    view = _to(cache.view(0), DEVICE)
+    t = view.tail_k.shape[2]
+    assert 0 < t < P
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(T + 1)).to(dtype).to(DEVICE)
+    start = torch.tensor([min(4 * b + 1, T - 1) for b in range(B)], dtype=torch.int32, device=DEVICE) if pad else None
+    length = torch.tensor([t], dtype=torch.int32, device=DEVICE)
+
+    def roomy(room: int):
+        """The view with `room` slots after the tail, holding values that would swamp any
+        softmax that read them."""
+        k = torch.cat([view.tail_k, torch.full((B, Hkv, room, D), 300.0, dtype=dtype, device=DEVICE)], 2)
+        v = torch.cat([view.tail_v, torch.full((B, Hkv, room, D), -1e3, dtype=dtype, device=DEVICE)], 2)
+        return dataclasses.replace(view, tail_k=k, tail_v=v, tail_len=length)
+
+    want, want_lse = paged_decode_triton(q, view, start, D**-0.5, splits=sp)
+    got, got_lse = paged_decode_triton(q, roomy(P - t), start, D**-0.5, splits=sp)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    got, got_lse = paged_decode_triton(q, roomy(2 * P - t), start, D**-0.5, splits=sp)
+    tol = FLOOR[dtype]
+    assert (got.float() - want.float()).abs().max().item() <= tol and (got_lse - want_lse).abs().max().item() <= tol
+    ref, ref_lse = paged_attention(q, roomy(P - t), start=start, backend="reference")
+    ref_host, ref_host_lse = paged_attention(q, view, start=start, backend="reference")
+    assert torch.equal(ref, ref_host) and torch.equal(ref_lse, ref_host_lse)
+    with pytest.raises(ValueError, match="tail_len must be an int32"):
+        paged_attention(q, dataclasses.replace(roomy(P - t), tail_len=length.long()), start=start, backend="triton")
+
+
 def _to(view, device):
     import dataclasses
 

@@ -53,7 +53,7 @@ def _decode_kernel(
     PK: tl.constexpr, PV: tl.constexpr, WP: tl.constexpr = 0, SVT: tl.constexpr = False, DENSE: tl.constexpr = 0,
     ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
     STAMPS=None, PDL: tl.constexpr = False, GRID: tl.constexpr = 0, S_PAD: tl.constexpr = 0, SC: tl.constexpr = 0,
-    BD: tl.constexpr = 0, TINY_CODES: tl.constexpr = False, BOUNDS=None,
+    BD: tl.constexpr = 0, TINY_CODES: tl.constexpr = False, BOUNDS=None, TAIL_DEV: tl.constexpr = False,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -73,7 +73,8 @@ def _decode_kernel(
     as fp16 subnormals (triton_tiles' tiny form) rather than biased or exact ones. BOUNDS
     (experiments only, `BOUND` below; None compiles none of it): int32 [rows * H, n_splits + 1],
     each (row, KV head)'s split boundaries over its logical blocks (0 .. total, nondecreasing),
-    in place of blocks_per_split's equal shares."""
+    in place of blocks_per_split's equal shares. TAIL_DEV: tail_len is a pointer to the tail's
+    length (int32; a CUDA graph's replays change it on the device), which is loaded."""
     if GRID > 0:  # noqa: SIM102 (a constexpr test alone: without merge programs none of this compiles)
         if tl.program_id(1) >= n_splits:
             _grid_merge(O, LSE, OUT, LOUT, COUNT, tl.program_id(0), tl.program_id(1) - n_splits, n_splits,
@@ -98,6 +99,8 @@ def _decode_kernel(
     offs_k = tl.arange(0, DK)
     offs_v = tl.arange(0, DV)
     gmask = offs_g < G
+    if TAIL_DEV:
+        tail_len = tl.load(tail_len)
     total = n_blocks + tl.cdiv(tail_len, P)
     if BOUNDS is not None:
         lo = tl.load(BOUNDS + pid * (n_splits + 1) + split)
@@ -1080,7 +1083,7 @@ def _plan_key(st: _Setup, q, view: PagedView, start, splits, capturing: bool):
         return None
     tiny = tiny_codes_exact(q.device)
     return (st.fmt, tuple(q.shape), q.dtype, st.pools[3].dtype, start is None, st.device, st.gpu, st.total, st.n_blocks,
-            st.n_sink, st.tail_len > 0, splits, capturing, tiny, tuple(TUNE.items()))
+            st.n_sink, st.tail_len > 0, view.tail_len is None, splits, capturing, tiny, tuple(TUNE.items()))
 
 
 def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan):
@@ -1101,7 +1104,7 @@ def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan):
             view.sink_k, view.sink_v, *st.pools, tail_k, tail_v,
             o, o_r, lse, out, lout, count,
             st.q.stride(0), st.q.stride(1), st.table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-            st.n_blocks, st.n_sink, st.tail_len, plan.bps, scale, plan.splits, int(plan.apart))
+            st.n_blocks, st.n_sink, st.tail_len if view.tail_len is None else view.tail_len, plan.bps, scale, plan.splits, int(plan.apart))
     return o, o_r, lse, out, lout, args
 
 
@@ -1139,7 +1142,8 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and fmt.v_bits <= TUNE["side_zdot"],
                   SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
-                  TINY_CODES=bool(tiny), GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)), **opts)
+                  TINY_CODES=bool(tiny), GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)),
+                  TAIL_DEV=view.tail_len is not None, **opts)
     # programmatic dependent launch (sm_90+): each launch may start while the one before it
     # ends, and waits for it on the GPU (gdc_wait) before reading what it wrote
     pdl = dict(PDL=True, launch_pdl=True) if gpu and TUNE["pdl"] and torch.cuda.get_device_capability(device) >= (9, 0) else {}
@@ -1183,7 +1187,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
 
     def fit_for(splits: int) -> int:
         """Programs of the compiled kernel (its merge mode at `splits`) one SM holds (GPU)."""
-        key = (device, fmt, q.dtype, KS.dtype, start is not None, merge_mode(splits), stages, side, tuple(TUNE.items()))
+        key = (device, fmt, q.dtype, KS.dtype, start is not None, view.tail_len is None, merge_mode(splits), stages, side, tuple(TUNE.items()))
         fit = _FIT.get(key)
         if fit is None:  # (the in-kernel merge costs registers: 165 against 128 on triton 3.6)
             plan = plan_for(splits, warmup=True)
