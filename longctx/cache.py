@@ -16,7 +16,9 @@ padding, which attention skips. Thread-unsafe by design, like the models it serv
 
 from __future__ import annotations
 
+import contextlib
 import functools
+
 import torch
 
 from .allocator import BlockAllocator, BlockTables
@@ -77,6 +79,7 @@ class PagedKVCache:
         self.tail_k = self.tail_v = None  # [L, B, H_kv, capacity, D]
         self._table_tensor: torch.Tensor | None = None  # int32 [B, n_blocks], rebuilt on change
         self.seals = 0  # blocks sealed so far (physical, all rows)
+        self._static: tuple[torch.Tensor, torch.Tensor] | None = None  # (slot, length) while a step is recorded (`static_step`)
 
     # ------------------------------------------------------------------ state
     @property
@@ -199,8 +202,14 @@ class PagedKVCache:
         t0 = self.tail_len[layer]
         if layer != 0 and t0 + C > self.tail_k.shape[3]:
             raise RuntimeError(f"append: layer {layer} got tokens before layer 0 started the step")
-        self.tail_k[layer, :, :, t0 : t0 + C] = k.to(self.dtype)
-        self.tail_v[layer, :, :, t0 : t0 + C] = v.to(self.dtype)
+        if self._static is not None:  # a recorded step: the slot comes from the device
+            if C != 1:
+                raise ValueError(f"append: a step recorded for CUDA graphs takes one token a row, got {C}")
+            self.tail_k[layer].index_copy_(2, self._static[0], k.to(self.dtype))
+            self.tail_v[layer].index_copy_(2, self._static[0], v.to(self.dtype))
+        else:
+            self.tail_k[layer, :, :, t0 : t0 + C] = k.to(self.dtype)
+            self.tail_v[layer, :, :, t0 : t0 + C] = v.to(self.dtype)
         self.tail_len[layer] = t0 + C
 
     def _begin_step(self, new_tokens: int) -> None:
@@ -361,7 +370,37 @@ class PagedKVCache:
             self._table_tensor = _index(rows, self.device, torch.int32).reshape(len(rows), self.num_blocks)
         return self._table_tensor
 
+    @contextlib.contextmanager
+    def static_step(self, slot: torch.Tensor, length: torch.Tensor):
+        """Within: a decode step (one token a row) is recorded for CUDA-graph replays. append
+        writes each layer's token at tail slot `slot` (int64 [1] on the device) and view gives
+        the tail's first block_size slots with `length` (int32 [1], the tail's length after
+        the step's append) as its device-side tail_len. Whoever replays keeps both at the
+        step's values (the host's tail lengths at entry) and advances them, and the host's
+        tail lengths, by one a replay. The host's tail lengths are restored on exit: the
+        recorded step has not run. Needs a tail shorter than a block (seal first), so
+        that the step neither seals nor outgrows the slots the view gives."""
+        if not self.initialized or self.batch_size == 0:
+            raise RuntimeError("static_step: the cache holds no rows yet; prefill first")
+        if len(set(self.tail_len)) != 1 or self.tail_len[0] >= self.block_size:
+            raise RuntimeError(f"static_step: tails of {sorted(set(self.tail_len))} tokens; a step records on equal tails shorter than a block (seal first)")
+        if slot.dtype != torch.int64 or length.dtype != torch.int32 or slot.numel() != 1 or length.numel() != 1:
+            raise ValueError(f"static_step: slot must be int64 [1] and length int32 [1], got {slot.dtype} {tuple(slot.shape)}, {length.dtype} {tuple(length.shape)}")
+        saved = list(self.tail_len)
+        self.block_table()  # built now: built inside a capture, its host copy would be replayed
+        self._static = (slot, length)
+        try:
+            yield
+        finally:
+            self._static = None
+            self.tail_len = saved
+
     def view(self, layer: int) -> PagedView:
+        if self._static is not None:
+            P = self.block_size
+            return PagedView(pages=self.pages[layer], sink_k=self.sink_k[layer], sink_v=self.sink_v[layer], block_table=self.block_table(),
+                             n_sink=min(self.config.sink_blocks, self.num_blocks), tail_k=self.tail_k[layer, :, :, :P],
+                             tail_v=self.tail_v[layer, :, :, :P], tail_len=self._static[1])
         t = self.tail_len[layer]
         return PagedView(
             pages=self.pages[layer],

@@ -318,3 +318,48 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+def test_static_step_writes_at_the_device_slot_and_restores_the_host_counts():
+    """A step recorded for CUDA graphs (`static_step`): each layer's token goes to the tail
+    slot the device says, views give the block's slots with the device length, the host's
+    tail lengths are as before on exit (the recorded step has not run), and the tail then
+    holds what an eager step writes."""
+    from longctx.ops.paged_attention import paged_attention
+
+    cfg = KVConfig(bits=4, block_size=16)
+    k, v = random_kv(1, 2, 41, 32, seed=5)
+    eager, static = (PagedKVCache(cfg, num_layers=2, num_kv_heads=2, head_dim=32) for _ in range(2))
+    for c in (eager, static):
+        for layer in range(2):
+            c.append(layer, k[:, :, :40], v[:, :, :40])
+        c.seal()
+    assert static.tail_len == [8, 8]
+    slot, length = torch.tensor([8]), torch.tensor([9], dtype=torch.int32)
+    with static.static_step(slot, length):
+        for layer in range(2):
+            static.append(layer, k[:, :, 40:], v[:, :, 40:])
+            view = static.view(layer)
+            assert view.tail_k.shape[2] == 16 and view.tail_len is length
+        with pytest.raises(ValueError, match="one token a row"):
+            static.append(0, k[:, :, :2], v[:, :, :2])
+    assert static.tail_len == [8, 8]
+    for layer in range(2):
+        eager.append(layer, k[:, :, 40:], v[:, :, 40:])
+    static.tail_len = [9, 9]  # what whoever replays counts
+    q = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(1))
+    for layer in range(2):
+        assert torch.equal(static.view(layer).tail_k, eager.view(layer).tail_k)
+        assert torch.equal(static.view(layer).tail_v, eager.view(layer).tail_v)
+        assert torch.equal(paged_attention(q, static.view(layer))[0], paged_attention(q, eager.view(layer))[0])
+    static.append(0, k[:, :, :7], v[:, :, :7])  # layer 0 ahead by 7: unequal tails
+    with pytest.raises(RuntimeError, match="equal tails shorter than a block"):
+        with static.static_step(slot, length):
+            pass
+    static.tail_len = [16, 16]
+    with pytest.raises(RuntimeError, match="seal first"):
+        with static.static_step(slot, length):
+            pass
+    with pytest.raises(ValueError, match="slot must be int64"):
+        with eager.static_step(slot.int(), length):
+            pass
