@@ -65,9 +65,11 @@ class ChatSession:
     system: str | None = None
     chunk: int = 512
     max_context: int | None = None
+    graphs: bool | None = None  # decode from CUDA graphs: None where they serve, True always, False never (`longctx.graphs`)
     messages: list[dict] = field(default_factory=list)
     cached_ids: list[int] = field(default_factory=list)  # exactly the tokens the cache holds
     last: GenerationStats = field(default_factory=GenerationStats)
+    _decoder: object = field(default=None, init=False, repr=False)  # a GraphDecoder once a turn found one serves
 
     def __post_init__(self) -> None:
         if self.system:
@@ -152,6 +154,10 @@ class ChatSession:
         reply_ids: list[int] = []
         shown = ""  # text streamed so far: decode the whole reply, emit the new suffix
         kw = cache_kwargs(self.model, self.cache)
+        if self._decoder is None:  # (one for the session: it records anew when a turn changed the cache)
+            from .graphs import graph_decoder
+
+            self._decoder = graph_decoder(self.model, self.cache, self.graphs)
         t0 = time.perf_counter()
         try:
             for _ in range(sampling.max_new_tokens):
@@ -164,9 +170,12 @@ class ChatSession:
                     if not text_now.endswith("\ufffd"):  # wait for a whole UTF-8 character
                         on_token(text_now[len(shown):])
                         shown = text_now
-                out = self.model(input_ids=torch.tensor([[tok]], device=self.model.device), use_cache=True, **kw)
+                ids = torch.tensor([[tok]], device=self.model.device)
+                if self._decoder is not None:
+                    logits = self._decoder.step(ids).float()
+                else:
+                    logits = self.model(input_ids=ids, use_cache=True, **kw).logits[:, -1].float()
                 self.cached_ids.append(tok)
-                logits = out.logits[:, -1].float()
         finally:
             stats.decode_s = time.perf_counter() - t0
             stats.new_tokens = len(reply_ids)

@@ -75,15 +75,26 @@ def greedy(
     chunk: int = 512,
     eos_token_id: int | None = None,
     on_token: Callable[[int], None] | None = None,
+    graphs: bool | None = None,
 ) -> tuple[torch.Tensor, GenerationStats]:
-    """Greedy decode after a chunked prefill of input_ids [1, T]. Returns (new ids [n], stats)."""
+    """Greedy decode after a chunked prefill of input_ids [1, T]. Returns (new ids [n], stats).
+
+    graphs: decode steps replayed from CUDA graphs (`longctx.graphs.GraphDecoder`): None where
+    they can serve (a LongCtxCache on the triton backend, on CUDA), True always (ValueError
+    naming what is missing), False never (eager steps)."""
+    from .graphs import GraphDecoder, graph_decoder
+
     if input_ids.shape[0] != 1:
         raise ValueError(f"greedy: one sequence at a time, got batch {input_ids.shape[0]}")
+    why = GraphDecoder.unsupported(model, cache, empty_ok=True) if graphs else None
+    if why:  # (before a long prefill)
+        raise ValueError(f"graphs=True: {why}")
     stats = GenerationStats(prompt_tokens=input_ids.shape[1])
     t0 = time.perf_counter()
     logits = prefill(model, cache, input_ids, chunk=chunk)
     stats.prefill_s = time.perf_counter() - t0
     kw = cache_kwargs(model, cache)
+    decoder = graph_decoder(model, cache, graphs)
     out = []
     t0 = time.perf_counter()
     for _ in range(max_new_tokens):
@@ -94,7 +105,10 @@ def greedy(
         if eos_token_id is not None and tok == eos_token_id:
             break
         ids = torch.tensor([[tok]], device=model.device)
-        logits = model(input_ids=ids, use_cache=True, **kw).logits[:, -1].float()
+        if decoder is not None:
+            logits = decoder.step(ids).float()
+        else:
+            logits = model(input_ids=ids, use_cache=True, **kw).logits[:, -1].float()
     stats.decode_s = time.perf_counter() - t0
     stats.new_tokens = len(out)
     return torch.tensor(out, dtype=torch.long), stats

@@ -117,6 +117,95 @@ def test_triton_next_tokens_equal_reference_teacher_forced(bits, min_same):
 
 
 
+def _forced_steps(model, cache, ids, forced, between=None, graphs: bool = False):
+    """Prefill ids [1, T] into cache, then feed the `forced` tokens one at a time, eagerly or
+    through a GraphDecoder: the logits [n, V] (fp32) after each, and the decoder.
+    between(i, cache) runs before step i (a change to the cache by someone else)."""
+    from longctx.generate import prefill
+    from longctx.graphs import GraphDecoder
+
+    rows = []
+    with torch.inference_mode():
+        prefill(model, cache, ids, chunk=64)
+        decoder = GraphDecoder(model, cache) if graphs else None
+        for i, t in enumerate(forced):
+            if between is not None:
+                between(i, cache)
+            tok = torch.tensor([[t]], device="cuda")
+            if decoder is not None:
+                rows.append(decoder.step(tok).float().clone())
+            else:
+                rows.append(model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1].float())
+    return torch.cat(rows), decoder
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_graph_decoder_matches_eager_steps(dtype):
+    """Decode steps replayed from CUDA graphs give the eager steps' logits, over several
+    seals (a graph recorded after each, and none in between), and leave the cache as the
+    eager steps do."""
+    model = tiny_llama(layers=3, heads=8, kv_heads=2, head_dim=64).to("cuda", dtype)
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(1)).cuda()
+    forced = torch.randint(3, 128, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    cfg = KVConfig(bits=4, block_size=16)
+    caches, logits = [], []
+    for graphs in (False, True):
+        cache = LongCtxCache(model, cfg)
+        lg, decoder = _forced_steps(model, cache, ids, forced, graphs=graphs)
+        cache.detach()
+        caches.append(cache.paged)
+        logits.append(lg)
+    # 100 prompt tokens: 6 blocks and a tail of 4 sealed at the first step, then a seal
+    # whenever the tail fills: before steps 12, 28, 44 and 60
+    assert decoder.recorded == 5 and decoder.replayed == 70
+    eager, graphed = logits
+    tol = 1e-3 if dtype == torch.float32 else 0.05  # (relative: a wrong slot or length is off by O(1))
+    assert (graphed - eager).abs().max().item() <= tol * eager.abs().max().item()
+    assert (graphed.argmax(-1) == eager.argmax(-1)).float().mean().item() >= (1.0 if dtype == torch.float32 else 0.9)
+    a, b = caches
+    assert a.tail_len == b.tail_len == [10] * 3 and a.num_blocks == b.num_blocks == 10 and a.tables.rows == b.tables.rows
+    assert (a.tail_k[:, :, :, :10].float() - b.tail_k[:, :, :, :10].float()).abs().max().item() <= tol * a.tail_k.abs().max().item()
+
+
+def test_graph_decoder_follows_other_changes_to_the_cache():
+    """Between replays the cache may change by other hands (a crop, an eager step, an
+    interrupted step): the decoder notices and records anew rather than replaying stale
+    positions, and the logits stay the eager path's."""
+    model = tiny_llama(layers=2, heads=8, kv_heads=2, head_dim=64).to("cuda", torch.float32)
+    ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(3)).cuda()
+    forced = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def between(i, cache):
+        if i == 10:
+            cache.crop(-3)  # (its tokens then come again)
+        if i == 20:  # an eager step: token 5, then the forced ones go on
+            with torch.inference_mode():
+                model(input_ids=torch.tensor([[5]], device="cuda"), use_cache=True, **cache_kwargs(model, cache))
+        if i == 30:  # a step interrupted after its first layer
+            k = torch.zeros(1, 2, 1, 64, device="cuda")
+            cache.paged.append(0, k, k)
+
+    logits = []
+    for graphs in (False, True):
+        cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+        lg, decoder = _forced_steps(model, cache, ids, forced, between, graphs=graphs)
+        cache.detach()
+        logits.append(lg)
+    assert decoder.recorded >= 5  # the first step, the three changes, the seals
+    assert (logits[1] - logits[0]).abs().max().item() <= 1e-3 * logits[0].abs().max().item()
+
+
+def test_bench_e2e_times_graph_decoding():
+    """`bench e2e` at a small size: DynamicCache, LongCtxCache's eager steps and its steps
+    from CUDA graphs, each with a decode time and the ratios to DynamicCache."""
+    from longctx.bench import bench_e2e
+
+    rows = bench_e2e(context=1024, formats=("int4",), new_tokens=20, chunk=512, layers=1)
+    assert [r.name for r in rows] == ["DynamicCache + SDPA", "LongCtxCache int4", "LongCtxCache int4 + CUDA graphs"]
+    for r in rows:
+        assert 0 < r.decode_ms_per_token < 1e3 and r.ratio_decode > 0 and r.peak_gib > 0
+
+
 def _flash_case(bits: int):
     """A bf16 cache on the GPU (two rows, the second left-padded) and a decode query."""
     from longctx.cache import PagedKVCache

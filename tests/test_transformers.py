@@ -181,3 +181,26 @@ def test_flash_backend_beams_with_left_padding_equal_reference(monkeypatch):
         cache.detach()
     assert calls and any(c.get("block_table") is not None for c in calls)  # the sealed pages went through flash-attn's paged call
     assert torch.equal(out["flash"], out["reference"])
+
+
+def test_graph_decoding_says_why_it_cannot_serve():
+    """CUDA-graph decoding (`longctx.graphs`) where it cannot serve: graphs=True raises naming
+    what is missing; the default takes eager steps, with the same tokens as graphs=False."""
+    from longctx.generate import greedy
+    from longctx.graphs import GraphDecoder, graph_decoder
+
+    model = tiny_llama(layers=2)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    assert "LongCtxCache" in GraphDecoder.unsupported(model, DynamicCache(config=model.config))
+    cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+    assert "CUDA device" in GraphDecoder.unsupported(model, cache)
+    with pytest.raises(ValueError, match="graphs=True: CUDA-graph decoding needs the model on a CUDA device"):
+        greedy(model, cache, ids, max_new_tokens=3, graphs=True)
+    assert graph_decoder(model, cache, None) is None and graph_decoder(model, cache, False) is None
+    cache.reset()
+    auto, _ = greedy(model, cache, ids, max_new_tokens=20)
+    cache.detach()
+    cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+    eager, _ = greedy(model, cache, ids, max_new_tokens=20, graphs=False)
+    cache.detach()
+    assert torch.equal(auto, eager)

@@ -52,6 +52,7 @@ def chat(
     prompt: str = typer.Option(None, "--prompt", help="answer this once and exit (for scripts)"),
     max_context: int = typer.Option(None, "--max-context", help="refuse turns that would exceed this many tokens; also sizes the cache once (see longctx plan)"),
     chunk: int = typer.Option(512, "--chunk", help="prefill chunk in tokens"),
+    graphs: bool = typer.Option(None, "--graphs/--no-graphs", help="decode from CUDA graphs (default: where they serve: CUDA, triton backend)"),
 ) -> None:
     """Chat with a model; the KV cache is kept across turns (only new tokens are prefilled).
 
@@ -85,7 +86,7 @@ def chat(
     if file is not None:
         doc = file.read_text(encoding="utf-8", errors="replace")
         system = ((system + "\n\n") if system else "") + f"Document ({file.name}):\n\n{doc}"
-    session = ChatSession(mdl, tok, LongCtxCache(mdl, kv), system=system, chunk=chunk, max_context=max_context)
+    session = ChatSession(mdl, tok, LongCtxCache(mdl, kv), system=system, chunk=chunk, max_context=max_context, graphs=graphs)
     gen = torch.Generator(device=mdl.device).manual_seed(seed)
 
     class Bar:
