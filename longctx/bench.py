@@ -432,7 +432,7 @@ def llama3_8b_shaped(layers: int = 32, max_positions: int = 1 << 20, device: str
 
 
 def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int = 64, chunk: int = 16384, layers: int = 32,
-              device: str = "cuda", progress=None, warmup: int = 2) -> list[E2ERow]:
+              device: str = "cuda", progress=None, warmup: int = 2, graphs: bool = True) -> list[E2ERow]:
     """Prefill `context` random tokens in chunks, then decode `new_tokens` greedily, with
     transformers' DynamicCache + SDPA and with LongCtxCache in each format, same model.
     LongCtxCache's prefill time includes sealing the prompt's last chunk (which would
@@ -440,7 +440,12 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     (they compile the decode kernels: ~1 s once per process, not per token); the default 64
     timed tokens include one seal of every layer's tail, as steady decoding does every 64:
     each timed step is timed on the GPU's timeline (events, no sync), and for LongCtxCache
-    `sealing_share` gives what the sealing step adds (`seal_extra_ms`, `seal_pct`)."""
+    `sealing_share` gives what the sealing step adds (`seal_extra_ms`, `seal_pct`).
+
+    graphs: after each LongCtxCache's eager steps, `new_tokens` more from CUDA graphs
+    (`GraphDecoder`, the same cache, `warmup` untimed steps first), a row of its own ("+ CUDA
+    graphs"; its prefill is the same cache's). Their time includes what a block's seal and the
+    new graph's recording cost, once every block_size tokens."""
     import time
 
     from transformers import DynamicCache
@@ -448,7 +453,7 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     from .integrations.transformers import LongCtxCache, cache_kwargs
 
     cfgs, _, _, _ = _setup("e2e", formats, 64)  # bad names fail before a 16 GB model is built
-    model = llama3_8b_shaped(layers, context + warmup + new_tokens + 16, device)
+    model = llama3_8b_shaped(layers, context + 2 * (warmup + new_tokens) + 16, device)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
 
     def decode(cache, tok, steps: int, marks: list | None = None):
@@ -469,7 +474,7 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
             marks[-1][0].record()
         return tok
 
-    def run(name, cache) -> E2ERow:
+    def run(name, cache) -> list[E2ERow]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
@@ -485,7 +490,7 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
             torch.cuda.synchronize()
             t1 = time.perf_counter()
             marks: list = []
-            decode(cache, tok, new_tokens, marks)
+            tok = decode(cache, tok, new_tokens, marks)
             torch.cuda.synchronize()
             t2 = time.perf_counter()
         row = E2ERow(name, context, prefill_s, (t2 - t1) / new_tokens * 1e3, torch.cuda.max_memory_allocated() / 2**30)
@@ -494,14 +499,34 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
             row.seal_extra_ms, row.seal_pct = sealing_share(step_ms, [m[1] for m in marks[:-1]], cache.paged.block_size)
         if progress is not None:
             progress(row)
-        return row
+        if not (graphs and isinstance(cache, LongCtxCache)):
+            return [row]
+        from .graphs import GraphDecoder
 
-    rows = [run("DynamicCache + SDPA", DynamicCache(config=model.config))]
+        with torch.inference_mode():
+            decoder = GraphDecoder(model, cache)
+            for _ in range(warmup):
+                decoder.step(tok)
+                tok = decoder.next_ids
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            for _ in range(new_tokens):
+                decoder.step(tok)
+                tok = decoder.next_ids
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+        graphed = E2ERow(f"{name} + CUDA graphs", context, prefill_s, (t2 - t1) / new_tokens * 1e3, torch.cuda.max_memory_allocated() / 2**30)
+        del decoder
+        if progress is not None:
+            progress(graphed)
+        return [row, graphed]
+
+    rows = run("DynamicCache + SDPA", DynamicCache(config=model.config))
     torch.cuda.empty_cache()
     for cfg in cfgs.values():
         cache = LongCtxCache(model, cfg)
         try:
-            rows.append(run(f"LongCtxCache {cache.kv_config.describe()}", cache))
+            rows += run(f"LongCtxCache {cache.kv_config.describe()}", cache)
         finally:
             cache.detach()
         del cache

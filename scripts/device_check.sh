@@ -26,7 +26,16 @@ TAIL=4 stage tests 500 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/o
 TAIL=8 stage host 40 python3 scripts/diag_host.py
 TAIL=16 stage decode_graph 200 python3 -m longctx bench decode --graph --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode_graph.json"
 stage decode 200 python3 -m longctx bench decode --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode.json"
-TAIL=14 stage e2e 220 python3 -m longctx bench e2e --context 128k --formats int4 --json "$OUT/e2e.json"
+# graphs: decode steps replayed from CUDA graphs (longctx/graphs.py) against eager steps, the
+# device-side tail length, and bench e2e's graph rows (small), before the e2e stages time them
+TAIL=12 stage graphs 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda.py tests/test_transformers.py tests/ops/test_paged_attention_triton.py -k "graph or bench_e2e or device_tail or plans_are_cached"
+# graphs_bnb: the same with bitsandbytes NF4 weights (carry .bnb, a folder holding the bitsandbytes wheel)
+if want_stage graphs_bnb; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .bnb/bitsandbytes-*.whl
+  PYTHONPATH=/tmp/site:$PYTHONPATH TAIL=12 stage graphs_bnb 200 python3 scripts/diag_graphs.py
+fi
+TAIL=14 stage e2e_4k 150 python3 -m longctx bench e2e --context 4k --formats int4 --json "$OUT/e2e_4k.json"
+TAIL=14 stage e2e 300 python3 -m longctx bench e2e --context 128k --formats int4 --json "$OUT/e2e.json"
 TAIL=12 stage seal 45 python3 -m longctx bench seal --context 128k --formats int4,int8
 TAIL=24 stage prefill 200 python3 -m longctx bench prefill --contexts 32k,128k --chunks 512,2k,16k --json "$OUT/prefill.json"
 TAIL=30 stage prefill_short 150 python3 -m longctx bench prefill --contexts 128k --chunks 16,64,256,512 --json "$OUT/prefill_short.json"

@@ -151,6 +151,7 @@ def e2e(
     chunk: int = typer.Option(16384, help="prefill chunk (tokens)"),
     layers: int = typer.Option(32, help="decoder layers of the Llama-3-8B-shaped model"),
     as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
+    graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="also time LongCtxCache's decode from CUDA graphs (a row each)"),
 ) -> None:
     """End to end, random-initialized Llama-3-8B-shaped model: DynamicCache + SDPA vs LongCtxCache.
 
@@ -164,7 +165,7 @@ def e2e(
     from ..bench import bench_e2e
 
     console = Console()
-    rows = bench_e2e(_sizes(context)[0], _names(formats), new_tokens, chunk, layers,
+    rows = bench_e2e(_sizes(context)[0], _names(formats), new_tokens, chunk, layers, graphs=graphs,
                      progress=lambda r: console.print(f"  {r.name}: prefill {r.prefill_s:.1f} s, decode {r.decode_ms_per_token:.1f} ms/token, peak {r.peak_gib:.1f} GiB", highlight=False))
     table = Table(title=f"End to end, Llama-3-8B shape, {layers} layers, bf16 weights, batch 1")
     for col in ("cache", "context", "prefill s", "decode ms/token", "decode tok/s", "peak GiB", "decode vs Dynamic", "prefill vs Dynamic",
