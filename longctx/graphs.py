@@ -62,7 +62,7 @@ class GraphDecoder:
         if "logits_to_keep" in params:
             self.kwargs["logits_to_keep"] = 1
         self._cache_position = "cache_position" in params  # (older transformers read it besides position_ids)
-        self._state = None  # (blocks, tail length, table tensor) the graph's next replay expects
+        self._state = None  # what the graph's next replay expects of the cache (`_current`)
         self.strict = strict
         self.failed: str | None = None  # why recording failed (strict=False: eager steps since)
         self.recorded = 0  # graphs recorded so far

@@ -204,3 +204,45 @@ def test_graph_decoding_says_why_it_cannot_serve():
     eager, _ = greedy(model, cache, ids, max_new_tokens=20, graphs=False)
     cache.detach()
     assert torch.equal(auto, eager)
+
+
+def test_graph_decoder_falls_back_to_eager_steps_where_recording_fails(monkeypatch):
+    """A step that cannot be recorded (here every recording raises): strict raises it; the
+    default warns once and takes eager steps, with the eager path's tokens."""
+    from longctx.generate import prefill
+    from longctx.graphs import GraphDecoder
+
+    def broken(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphDecoder, "unsupported", staticmethod(lambda *a, **k: None))  # (no CUDA here)
+    monkeypatch.setattr(GraphDecoder, "_record", broken)
+    model = tiny_llama(layers=2)
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for strict in (True, False, None):
+        cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+        with torch.inference_mode():
+            logits = prefill(model, cache, ids)
+            decoder = GraphDecoder(model, cache, strict=bool(strict)) if strict is not None else None
+            toks = []
+            for i in range(20):
+                tok = torch.tensor([[int(logits[0].argmax())]])
+                toks.append(int(tok))
+                if decoder is None:
+                    logits = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+                elif strict:
+                    with pytest.raises(RuntimeError, match="stream is capturing"):
+                        decoder.step(tok)
+                    break
+                else:
+                    with warnings.catch_warnings(record=True) as seen:
+                        warnings.simplefilter("always")
+                        logits = decoder.step(tok)
+                    assert len(seen) == (1 if i == 0 else 0)
+        cache.detach()
+        runs.append(toks)
+        if strict is False:
+            fallback = decoder
+    assert fallback.failed.startswith("RuntimeError") and fallback.recorded == fallback.replayed == 0
+    assert runs[1] == runs[2] and len(runs[1]) == 20
