@@ -39,6 +39,9 @@ class GraphDecoder:
     the decoder checks the cache's blocks and tail lengths before each replay. Recording
     costs about one eager step; the others cost a graph launch.
 
+    The steps take no attention mask: rows must not be left-padded (a padded batch decodes
+    eagerly, through `model(..., attention_mask=...)`).
+
     strict=False: where recording fails (a layer of the model that cannot be captured, such
     as a weight format whose kernels wait on the host), warn once and take eager steps from
     then on; strict=True raises.
