@@ -139,15 +139,16 @@ def _forced_steps(model, cache, ids, forced, between=None, graphs: bool = False)
     return torch.cat(rows), decoder
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_graph_decoder_matches_eager_steps(dtype):
+@pytest.mark.parametrize("dtype, kv", [(torch.float32, dict(bits=4)), (torch.bfloat16, dict(bits=4)), (torch.bfloat16, dict(bits=8)),
+                                       (torch.bfloat16, dict(bits=2, rotate=True))], ids=["fp32-int4", "bf16-int4", "bf16-int8", "bf16-int2+rot"])
+def test_graph_decoder_matches_eager_steps(dtype, kv):
     """Decode steps replayed from CUDA graphs give the eager steps' logits, over several
     seals (a graph recorded after each, and none in between), and leave the cache as the
     eager steps do."""
     model = tiny_llama(layers=3, heads=8, kv_heads=2, head_dim=64).to("cuda", dtype)
     ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(1)).cuda()
     forced = torch.randint(3, 128, (70,), generator=torch.Generator().manual_seed(2)).tolist()
-    cfg = KVConfig(bits=4, block_size=16)
+    cfg = KVConfig(block_size=16, **kv)
     caches, logits = [], []
     for graphs in (False, True):
         cache = LongCtxCache(model, cfg)
