@@ -396,12 +396,8 @@ class PagedKVCache:
             self.tail_len = saved
 
     def view(self, layer: int) -> PagedView:
-        if self._static is not None:
-            P = self.block_size
-            return PagedView(pages=self.pages[layer], sink_k=self.sink_k[layer], sink_v=self.sink_v[layer], block_table=self.block_table(),
-                             n_sink=min(self.config.sink_blocks, self.num_blocks), tail_k=self.tail_k[layer, :, :, :P],
-                             tail_v=self.tail_v[layer, :, :, :P], tail_len=self._static[1])
-        t = self.tail_len[layer]
+        # (a recorded step: the block's slots, the length on the device)
+        t = self.block_size if self._static is not None else self.tail_len[layer]
         return PagedView(
             pages=self.pages[layer],
             sink_k=self.sink_k[layer],
@@ -410,6 +406,7 @@ class PagedKVCache:
             n_sink=min(self.config.sink_blocks, self.num_blocks),
             tail_k=self.tail_k[layer, :, :, :t],
             tail_v=self.tail_v[layer, :, :, :t],
+            tail_len=self._static[1] if self._static is not None else None,
         )
 
     def attend(self, layer: int, q: torch.Tensor, start: torch.Tensor | None = None, scale: float | None = None, return_lse: bool = True):

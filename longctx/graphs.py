@@ -158,7 +158,7 @@ class GraphDecoder:
         if paged.tail_len[0] >= paged.block_size:
             paged.seal()
         if self.failed is not None:
-            return self.model(input_ids=ids.to(self.ids.device), use_cache=True, **cache_kwargs(self.model, self.cache)).logits[:, -1]
+            return self.model(input_ids=ids.to(self.ids.device), **self.kwargs).logits[:, -1]
         self.ids.copy_(ids, non_blocking=True)
         if self._stale():
             try:

@@ -1066,6 +1066,7 @@ class _Plan(NamedTuple):
     counters: int  # int32 counters the launch takes (0: none; the table stands in)
     consts: dict  # the launch's keywords: constexprs and options
     pdl: dict  # the merge launch's PDL keywords
+    merge: dict  # the merge launch's shape (`merge_shape`; {} unless mode is "launch")
     last: dict  # what LAST reports besides the compiled kernel
 
 
@@ -1183,7 +1184,8 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
             # grid: the splits stored, the merge programs done; tree: a counter per group, and one for the groups
             counters = B * H * (2 if mode == "grid" else (math.ceil(splits / tree) + 1 if tree else 1))
         return _Plan(splits, bps, apart, splits == 1 and not fmt.rotate, mode, (B * H, splits + extra.get("GRID", 0)), counters,
-                     dict(consts, MERGE=mode == "kernel", TREE=tree, **extra), pdl, dict(last, tree=tree, apart=apart, merge=mode))
+                     dict(consts, MERGE=mode == "kernel", TREE=tree, **extra), pdl,
+                     merge_shape(B, Hq, D, sm, splits) if mode == "launch" else {}, dict(last, tree=tree, apart=apart, merge=mode))
 
     def fit_for(splits: int) -> int:
         """Programs of the compiled kernel (its merge mode at `splits`) one SM holds (GPU)."""
@@ -1242,8 +1244,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         return out[:, :, None].to(q.dtype), (total_lse if return_lse else None)
     if plan.mode == "launch":
         B, Hq, _, D = q.shape
-        shape = merge_shape(B, Hq, D, st.sm, plan.splits)
-        _merge_kernel[(B * Hq, D // shape["BD"] if shape["BD"] else 1)](
+        _merge_kernel[(B * Hq, D // plan.merge["BD"] if plan.merge["BD"] else 1)](
             o, lse, out, lout, plan.splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            HQ=Hq, D=D, **shape, num_warps=4, **plan.pdl)
+            HQ=Hq, D=D, **plan.merge, num_warps=4, **plan.pdl)
     return out, (lout if return_lse else None)
