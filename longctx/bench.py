@@ -11,6 +11,7 @@ the CLI renders them.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -395,6 +396,7 @@ class E2ERow:
     ratio_prefill: float = float("nan")  # this prefill time / DynamicCache's (<1: faster)
     seal_extra_ms: float = float("nan")  # a sealing step's time over the median step's (LongCtxCache)
     seal_pct: float = float("nan")  # that excess spread over block_size steps, % of the median step
+    compile_s: float = float("nan")  # the compiled peer: its warm-up steps (compiling and recording), s
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -431,12 +433,17 @@ def llama3_8b_shaped(layers: int = 32, max_positions: int = 1 << 20, device: str
     return model.eval()
 
 
+STATIC_WARMUP = 3  # compiled steps before timing: cudagraph trees run, record, then replay
+
+
 def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int = 64, chunk: int = 16384, layers: int = 32,
-              device: str = "cuda", progress=None, warmup: int = 2, graphs: bool = True) -> list[E2ERow]:
+              device: str = "cuda", progress=None, warmup: int = 2, graphs: bool = True, compiled: bool = True) -> list[E2ERow]:
     """Prefill `context` random tokens in chunks, then decode `new_tokens` greedily, with
     transformers' DynamicCache + SDPA and with LongCtxCache in each format, same model.
     LongCtxCache's prefill time includes sealing the prompt's last chunk (which would
-    otherwise land in the first decode step). The first `warmup` decode steps are not timed
+    otherwise land in the first decode step). Each cache's timed prefill follows an untimed one
+    of up to two chunks into a throwaway cache of its kind (`warm`: kernels compile on their
+    first call in a process, which a user pays once, not per prompt). The first `warmup` decode steps are not timed
     (they compile the decode kernels: ~1 s once per process, not per token); the default 64
     timed tokens include one seal of every layer's tail, as steady decoding does every 64:
     each timed step is timed on the GPU's timeline (events, no sync), and for LongCtxCache
@@ -445,7 +452,13 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     graphs: after each LongCtxCache's eager steps, `new_tokens` more from CUDA graphs
     (`GraphDecoder`, the same cache, `warmup` untimed steps first), a row of its own ("+ CUDA
     graphs"; its prefill is the same cache's). Their time includes what a block's seal and the
-    new graph's recording cost, once every block_size tokens."""
+    new graph's recording cost, once every block_size tokens.
+
+    compiled: also transformers' `StaticCache` with the decode step under
+    `torch.compile(mode="reduce-overhead", fullgraph=True)` (CUDA graphs), the strongest stock
+    decode: prefill eager into the static cache, then `STATIC_WARMUP` untimed steps that
+    compile and record (`compile_s`), then `new_tokens` timed. Where compiling fails the row is
+    left out with a warning naming the error."""
     import time
 
     from transformers import DynamicCache
@@ -473,6 +486,21 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
             marks.append([torch.cuda.Event(enable_timing=True), None])
             marks[-1][0].record()
         return tok
+
+    def warm(make) -> None:
+        """An untimed prefill of up to two chunks into a throwaway cache from `make`, so that the
+        timed prefill does not include compiling kernels (Triton's, on their first call in a
+        process: seconds at short contexts) or first-use setup."""
+        with torch.inference_mode():
+            cache = make()
+            for s in range(0, min(context, 2 * chunk), chunk):
+                model(input_ids=ids[:, s : s + chunk], use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+            if isinstance(cache, LongCtxCache):
+                cache.paged.seal()
+                cache.detach()
+        del cache
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
     def run(name, cache) -> list[E2ERow]:
         torch.cuda.synchronize()
@@ -521,9 +549,59 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
             progress(graphed)
         return [row, graphed]
 
+    def run_static() -> E2ERow:
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=context + STATIC_WARMUP + new_tokens + 1)
+        kw = cache_kwargs(model, cache)
+
+        def step(tok, pos, cache):
+            out = model(input_ids=tok, cache_position=pos, use_cache=True, **{next(iter(kw)): cache})
+            return out.logits[:, -1:].argmax(-1)
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        # no_grad, not inference_mode: the compiled step's CUDA graphs take the cache's tensors as
+        # ordinary inputs, and tensors made in inference mode cannot be
+        with torch.no_grad():
+            for s in range(0, context, chunk):
+                e = min(context, s + chunk)
+                out = model(input_ids=ids[:, s:e], cache_position=torch.arange(s, e, device=device), use_cache=True, logits_to_keep=1, **kw)
+            tok = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            prefill_s = time.perf_counter() - t0
+            compiled_step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+            pos = context
+            t1 = time.perf_counter()
+            for _ in range(STATIC_WARMUP):
+                tok = compiled_step(tok, torch.tensor([pos], device=device), cache).clone()  # (a replay overwrites its output)
+                pos += 1
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            for _ in range(new_tokens):
+                tok = compiled_step(tok, torch.tensor([pos], device=device), cache).clone()
+                pos += 1
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+        row = E2ERow("StaticCache + torch.compile (CUDA graphs)", context, prefill_s, (t3 - t2) / new_tokens * 1e3,
+                     torch.cuda.max_memory_allocated() / 2**30, compile_s=t2 - t1)
+        if progress is not None:
+            progress(row)
+        return row
+
+    warm(lambda: DynamicCache(config=model.config))
     rows = run("DynamicCache + SDPA", DynamicCache(config=model.config))
     torch.cuda.empty_cache()
+    if compiled:
+        try:
+            rows.append(run_static())
+        except Exception as e:  # (a compiler missing or failing must not cost the other rows)
+            warnings.warn(f"bench e2e: StaticCache + torch.compile left out: {type(e).__name__}: {e}", stacklevel=2)
+        torch._dynamo.reset()  # frees the compiled step's CUDA graphs and their memory pool
+        torch.cuda.empty_cache()
     for cfg in cfgs.values():
+        warm(lambda cfg=cfg: LongCtxCache(model, cfg))
         cache = LongCtxCache(model, cfg)
         try:
             rows += run(f"LongCtxCache {cache.kv_config.describe()}", cache)

@@ -34,8 +34,10 @@ if want_stage graphs_bnb; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .bnb/bitsandbytes-*.whl
   PYTHONPATH=/tmp/site:$PYTHONPATH TAIL=12 stage graphs_bnb 200 python3 scripts/diag_graphs.py
 fi
-TAIL=14 stage e2e_4k 150 python3 -m longctx bench e2e --context 4k --formats int4 --json "$OUT/e2e_4k.json"
-TAIL=14 stage e2e 300 python3 -m longctx bench e2e --context 128k --formats int4 --json "$OUT/e2e.json"
+# the e2e stages include StaticCache + torch.compile (~1 min of compiling each)
+TAIL=14 stage e2e_4k 240 python3 -m longctx bench e2e --context 4k --formats int4 --json "$OUT/e2e_4k.json"
+TAIL=14 stage e2e_32k 300 python3 -m longctx bench e2e --context 32k --formats int4 --json "$OUT/e2e_32k.json"
+TAIL=14 stage e2e 420 python3 -m longctx bench e2e --context 128k --formats int4 --json "$OUT/e2e.json"
 TAIL=12 stage seal 45 python3 -m longctx bench seal --context 128k --formats int4,int8
 TAIL=24 stage prefill 200 python3 -m longctx bench prefill --contexts 32k,128k --chunks 512,2k,16k --json "$OUT/prefill.json"
 TAIL=30 stage prefill_short 150 python3 -m longctx bench prefill --contexts 128k --chunks 16,64,256,512 --json "$OUT/prefill_short.json"

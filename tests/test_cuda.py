@@ -197,14 +197,17 @@ def test_graph_decoder_follows_other_changes_to_the_cache():
 
 
 def test_bench_e2e_times_graph_decoding():
-    """`bench e2e` at a small size: DynamicCache, LongCtxCache's eager steps and its steps
-    from CUDA graphs, each with a decode time and the ratios to DynamicCache."""
+    """`bench e2e` at a small size: DynamicCache, StaticCache + torch.compile (compiled; a
+    failed compile would leave its row out), LongCtxCache's eager steps and its steps from CUDA
+    graphs, each with a decode time and the ratios to DynamicCache."""
     from longctx.bench import bench_e2e
 
     rows = bench_e2e(context=1024, formats=("int4",), new_tokens=20, chunk=512, layers=1)
-    assert [r.name for r in rows] == ["DynamicCache + SDPA", "LongCtxCache int4", "LongCtxCache int4 + CUDA graphs"]
+    assert [r.name for r in rows] == ["DynamicCache + SDPA", "StaticCache + torch.compile (CUDA graphs)", "LongCtxCache int4",
+                                      "LongCtxCache int4 + CUDA graphs"]
     for r in rows:
         assert 0 < r.decode_ms_per_token < 1e3 and r.ratio_decode > 0 and r.peak_gib > 0
+    assert rows[1].compile_s > 0 and all(r.compile_s != r.compile_s for r in rows if r is not rows[1])  # nan elsewhere
 
 
 def _flash_case(bits: int):

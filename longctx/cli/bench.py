@@ -152,29 +152,33 @@ def e2e(
     layers: int = typer.Option(32, help="decoder layers of the Llama-3-8B-shaped model"),
     as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="also time LongCtxCache's decode from CUDA graphs (a row each)"),
+    compiled: bool = typer.Option(True, "--compiled/--no-compiled",
+                                  help="also time StaticCache + torch.compile(mode='reduce-overhead'), the strongest stock decode (compiles ~1 min)"),
 ) -> None:
     """End to end, random-initialized Llama-3-8B-shaped model: DynamicCache + SDPA vs LongCtxCache.
 
     Prefill in chunks, then greedy decode; bf16 weights, batch 1. For LongCtxCache, "sealing
     step +ms" is what the step that seals every layer's full tail takes over the median step
     (GPU timeline), and "sealing adds" that excess spread over the block_size steps between
-    seals, in % of the median step.
+    seals, in % of the median step. "StaticCache + torch.compile" is transformers' static cache
+    with the decode step compiled into CUDA graphs; "compile s" is its untimed warm-up.
 
     Example: longctx bench e2e --context 128k --formats int4
     """
     from ..bench import bench_e2e
 
     console = Console()
-    rows = bench_e2e(_sizes(context)[0], _names(formats), new_tokens, chunk, layers, graphs=graphs,
+    rows = bench_e2e(_sizes(context)[0], _names(formats), new_tokens, chunk, layers, graphs=graphs, compiled=compiled,
                      progress=lambda r: console.print(f"  {r.name}: prefill {r.prefill_s:.1f} s, decode {r.decode_ms_per_token:.1f} ms/token, peak {r.peak_gib:.1f} GiB", highlight=False))
     table = Table(title=f"End to end, Llama-3-8B shape, {layers} layers, bf16 weights, batch 1")
     for col in ("cache", "context", "prefill s", "decode ms/token", "decode tok/s", "peak GiB", "decode vs Dynamic", "prefill vs Dynamic",
-                "sealing step +ms", "sealing adds"):
+                "sealing step +ms", "sealing adds", "compile s"):
         table.add_column(col, justify="left" if col == "cache" else "right")
     for r in rows:
         sealing = ("", "") if r.seal_pct != r.seal_pct else (f"{r.seal_extra_ms:+.2f}", f"{r.seal_pct:+.2f} %")  # nan: none
         table.add_row(r.name, f"{r.context:,}", f"{r.prefill_s:.1f}", f"{r.decode_ms_per_token:.1f}", f"{1e3 / r.decode_ms_per_token:.1f}",
-                      f"{r.peak_gib:.1f}", f"{r.ratio_decode:.2f}x", f"{r.ratio_prefill:.2f}x", *sealing)
+                      f"{r.peak_gib:.1f}", f"{r.ratio_decode:.2f}x", f"{r.ratio_prefill:.2f}x", *sealing,
+                      "" if r.compile_s != r.compile_s else f"{r.compile_s:.0f}")
     console.print(table)
     if as_json:
         as_json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
