@@ -18,6 +18,10 @@ def __getattr__(name):
         from .models import load_model
 
         return load_model
+    if name == "graph_decoding":
+        from .generate import graph_decoding
+
+        return graph_decoding
     if name == "PagedKVCache":
         from .cache import PagedKVCache
 
@@ -34,5 +38,6 @@ __all__ = [
     "ModelNotFoundError",
     "PagedKVCache",
     "UnsupportedModelError",
+    "graph_decoding",
     "load_model",
 ]

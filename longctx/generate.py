@@ -112,3 +112,128 @@ def greedy(
     stats.decode_s = time.perf_counter() - t0
     stats.new_tokens = len(out)
     return torch.tensor(out, dtype=torch.long), stats
+
+
+PREFILL_CHUNK = 512  # graph_decoding's prefill chunk where the generation config sets none
+
+
+def graph_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus: bool = False,
+                   streamer=None, graphs: bool | None = None, on_token: Callable[[torch.Tensor], None] | None = None, **model_kwargs):
+    """A decoding method for transformers' `generate`, over a LongCtxCache, with decode steps
+    replayed from CUDA graphs where they serve:
+
+        model.generate(ids, cache=LongCtxCache(model, KVConfig(bits=4)), max_new_tokens=256,
+                       custom_generate=longctx.graph_decoding)
+
+    (`past_key_values=` on transformers that take that name). Greedy and sampling (num_beams
+    1), with generate's logits processors (temperature, top-k/p, repetition penalty, ...),
+    stopping criteria (max length, EOS, stop strings) and `return_dict_in_generate` (scores and
+    logits; not attentions or hidden states), as generate's own loop gives them.
+
+    Two keywords of its own, which generate() hands to it: `graphs` (None: graphs where they
+    serve, else eager steps; True: raise where they cannot; False: eager steps) and `on_token`,
+    called with each step's new tokens [B] (on the host). Stream with `on_token`:
+    transformers' generate (5.17 to 5.24 at least) does not pass its `streamer` to a custom
+    decoding method. It puts the prompt into the streamer and never ends it, so a
+    TextIteratorStreamer's reader would wait forever. A streamer that does arrive is used.
+
+    The prompt's tokens that the cache does not hold yet are prefilled in chunks of the
+    generation config's `prefill_chunk_size` (else PREFILL_CHUNK). Decode steps come from
+    `GraphDecoder` where it serves (CUDA, the triton backend, rows without left padding);
+    elsewhere, and after a failed recording (warned once), they run eagerly, as generate's
+    loop would. The cache then holds the prompt and every new token but the last, as after
+    generate's own loop. Beam search, assisted decoding and other inputs raise ValueError:
+    call generate without `custom_generate` for them."""
+    import dataclasses
+
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    from .graphs import graph_decoder
+    from .integrations.transformers import LongCtxCache
+
+    gc = generation_config
+    kw = dict(model_kwargs)
+    name = next((k for k in ("cache", "past_key_values") if isinstance(kw.get(k), LongCtxCache)), None)
+    if name is None:
+        given = {k: type(kw[k]).__name__ for k in ("cache", "past_key_values") if kw.get(k) is not None}
+        raise ValueError(f"graph_decoding decodes over a LongCtxCache: pass cache=LongCtxCache(model, KVConfig(...)) to generate(), got {given or 'no cache'}")
+    cache = kw.pop(name)
+    mask = kw.pop("attention_mask", None)
+    for k in ("position_ids", "cache_position", "logits_to_keep", "use_cache"):  # (recomputed here from the mask and the cache)
+        kw.pop(k, None)
+    extra = sorted(k for k, v in kw.items() if v is not None)
+    if extra:
+        raise ValueError(f"graph_decoding takes input ids, an attention mask and the cache; generate() also passed {extra}: call it without custom_generate")
+    if gc.num_beams > 1:
+        raise ValueError(f"graph_decoding decodes one hypothesis a row (num_beams=1), got num_beams={gc.num_beams}: for beam search call generate() without custom_generate")
+    if synced_gpus:
+        raise ValueError("graph_decoding runs on one device: synced_gpus is not supported")
+    if gc.return_dict_in_generate and (gc.output_attentions or gc.output_hidden_states):
+        raise ValueError("graph_decoding returns scores and logits, not attentions or hidden states: call generate() without custom_generate for them")
+    if not gc.use_cache:
+        raise ValueError("graph_decoding decodes over the cache: use_cache=False is not supported")
+
+    B, T = input_ids.shape
+    done = cache.get_seq_length()
+    if done >= T:
+        raise ValueError(f"graph_decoding: the cache already holds {done} tokens and the prompt has {T}: there is nothing new to feed")
+    padded = mask is not None and not bool(mask.all())
+    positions = (mask.long().cumsum(-1) - 1).clamp_(min=0) if padded else None
+    ck = cache_kwargs(model, cache)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    chunk = getattr(gc, "prefill_chunk_size", None) or PREFILL_CHUNK
+    for c0 in range(done, T, chunk):
+        c1 = min(T, c0 + chunk)
+        step = dict(attention_mask=mask[:, :c1], position_ids=positions[:, c0:c1]) if padded else {}
+        out = model(input_ids=input_ids[:, c0:c1], use_cache=True, **ck, **keep, **step)
+    logits = out.logits[:, -1].to(torch.float32, copy=True)
+    del out
+
+    if padded and graphs:
+        raise ValueError("graphs=True: CUDA-graph decoding takes rows without left padding (this batch's attention mask has padding)")
+    decoder = None if padded else graph_decoder(model, cache, graphs)
+    scores = () if gc.return_dict_in_generate and gc.output_scores else None
+    raw = () if gc.return_dict_in_generate and gc.output_logits else None
+    eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    pad = gc._pad_token_tensor
+    if eos and pad is None:
+        raise ValueError("graph_decoding: generation stops at an EOS token but no pad_token_id is set (generate() sets one from eos_token_id)")
+    unfinished = torch.ones(B, dtype=torch.long, device=input_ids.device)
+    while True:
+        next_scores = logits_processor(input_ids, logits)
+        if scores is not None:
+            scores += (next_scores,)
+        if raw is not None:
+            raw += (logits,)
+        if gc.do_sample:
+            tokens = torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = next_scores.argmax(-1)
+        if eos:  # finished rows take the pad token
+            tokens = tokens * unfinished + pad.to(tokens.device) * (1 - unfinished)
+        input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
+        if streamer is not None or on_token is not None:
+            host = tokens.cpu()
+            if streamer is not None:
+                streamer.put(host)
+            if on_token is not None:
+                on_token(host)
+        unfinished = unfinished & ~stopping_criteria(input_ids, next_scores)
+        if unfinished.max() == 0:
+            break
+        ids = tokens[:, None].to(model.device)
+        if decoder is not None:
+            logits = decoder.step(ids).to(torch.float32, copy=True)  # (a graph's buffer: the next replay overwrites it)
+        else:
+            step = {}
+            if padded:
+                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=-1)
+                step = dict(attention_mask=mask, position_ids=positions[:, -1:] + 1)
+                positions = step["position_ids"]
+            logits = model(input_ids=ids, use_cache=True, **ck, **step).logits[:, -1].to(torch.float32, copy=True)
+    if streamer is not None:
+        streamer.end()
+    if not gc.return_dict_in_generate:
+        return input_ids
+    fields = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
+    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw, **{"cache" if "cache" in fields else "past_key_values": cache})

@@ -170,6 +170,31 @@ def test_graph_decoder_matches_eager_steps(dtype, kv):
     assert (a.tail_k[:, :, :, :10].float() - b.tail_k[:, :, :, :10].float()).abs().max().item() <= tol * a.tail_k.abs().max().item()
 
 
+def test_generate_with_graph_decoding_replays_graphs(monkeypatch):
+    """model.generate(custom_generate=graph_decoding) on CUDA: its decode steps come from CUDA
+    graphs (over several seals), with the logits and tokens of generate's own eager loop."""
+    from longctx import graph_decoding
+    from longctx.graphs import GraphDecoder
+
+    model = tiny_llama(layers=3, heads=8, kv_heads=2, head_dim=64).to("cuda", torch.float32)
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(5)).cuda()
+    replays = []
+    step = GraphDecoder.step
+    monkeypatch.setattr(GraphDecoder, "step", lambda self, x: (replays.append(self), step(self, x))[1])
+    outs = []
+    for custom in (None, graph_decoding):
+        cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+        with torch.no_grad():
+            outs.append(model.generate(input_ids=ids, do_sample=False, max_new_tokens=50, pad_token_id=0, return_dict_in_generate=True,
+                                       output_logits=True, custom_generate=custom, **cache_kwargs(model, cache)))
+        cache.detach()
+    eager, graphed = outs
+    assert len(replays) == 49 and replays[0].replayed == 49 and replays[0].recorded >= 3  # a new graph after each seal
+    a, b = torch.stack(eager.logits), torch.stack(graphed.logits)
+    assert (b - a).abs().max().item() <= 1e-3 * a.abs().max().item()
+    assert torch.equal(eager.sequences, graphed.sequences)
+
+
 def test_graph_decoder_follows_other_changes_to_the_cache():
     """Between replays the cache may change by other hands (a crop, an eager step, an
     interrupted step): the decoder notices and records anew rather than replaying stale

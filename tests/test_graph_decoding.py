@@ -1,0 +1,130 @@
+"""`longctx.graph_decoding` as generate()'s decoding method, on the CPU (eager steps: graphs
+need CUDA; tests/test_cuda.py replays them): the same sequences, scores and cache as
+generate()'s own loop over a LongCtxCache, and clear errors for what it does not do."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from longctx import KVConfig, LongCtxCache, graph_decoding
+from longctx.integrations.transformers import cache_kwargs
+from longctx.testing import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(layers=2, vocab=128)
+
+
+def prompt(rows: int = 1, length: int = 40, pad: int = 0):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    if pad:
+        mask[-1, :pad] = 0
+    return ids, mask
+
+
+def both(model, ids, mask, seed=None, kv=None, **kw):
+    """(generate's own loop, graph_decoding), each over a fresh LongCtxCache, same arguments."""
+    outs = []
+    for custom in (None, graph_decoding):
+        cache = LongCtxCache(model, KVConfig(**(kv or dict(bits=4, block_size=16))))
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=0, custom_generate=custom, **cache_kwargs(model, cache), **kw)
+        outs.append((out, cache))
+        cache.detach()
+    return outs
+
+
+@pytest.mark.parametrize("kv", [dict(bits=4, block_size=16), dict(bits=16, block_size=16), dict(bits=2, rotate=True, block_size=16)],
+                         ids=["int4", "bits16", "int2+rot"])
+def test_greedy_equals_generate(model, kv):
+    ids, mask = prompt()
+    (a, ca), (b, cb) = both(model, ids, mask, kv=kv, do_sample=False, max_new_tokens=30)
+    assert b.shape == (1, 70) and torch.equal(a, b)
+    assert ca.get_seq_length() == cb.get_seq_length() == 69  # the last token is not fed, as in generate
+
+
+def test_sampling_equals_generate(model):
+    ids, mask = prompt()
+    (a, _), (b, _) = both(model, ids, mask, seed=3, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=25)
+    assert torch.equal(a, b)
+    (c, _), _ = both(model, ids, mask, seed=4, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=25)
+    assert not torch.equal(a, c)  # (the seed matters: the comparison above compares draws)
+
+
+def test_left_padded_batch_equals_generate(model):
+    """Eager steps with the growing mask and each row's own positions: the same tokens and,
+    step by step, the same logits (a position off by one moves them, if not the argmax)."""
+    ids, mask = prompt(rows=2, pad=9)
+    (a, _), (b, _) = both(model, ids, mask, do_sample=False, max_new_tokens=20, return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits, strict=True):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_eos_and_pad_equal_generate(model):
+    ids, mask = prompt(rows=2, pad=5)
+    (free, _), _ = both(model, ids, mask, do_sample=False, max_new_tokens=12)
+    eos = int(free[0, 40 + 3])  # row 0's fourth new token
+    (a, _), (b, _) = both(model, ids, mask, do_sample=False, max_new_tokens=12, eos_token_id=eos)
+    assert torch.equal(a, b)
+    assert (b[0, 44:] == 0).all() or b.shape[1] == 44  # row 0 stopped at its EOS: pad after it
+
+
+def test_scores_logits_and_cache_returned(model):
+    ids, mask = prompt()
+    (a, ca), (b, cb) = both(model, ids, mask, do_sample=False, max_new_tokens=8, return_dict_in_generate=True, output_scores=True,
+                           output_logits=True, repetition_penalty=1.3)
+    assert torch.equal(a.sequences, b.sequences)
+    assert len(b.scores) == len(b.logits) == 8
+    for x, y in zip(a.scores + a.logits, b.scores + b.logits, strict=True):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-5)
+    assert (getattr(b, "cache", None) or getattr(b, "past_key_values", None)) is cb
+
+
+def test_on_token_gets_each_step_s_tokens(model):
+    ids, mask = prompt(rows=2, pad=3)
+    got = []
+    cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6, pad_token_id=0,
+                             custom_generate=graph_decoding, on_token=got.append, **cache_kwargs(model, cache))
+    cache.detach()
+    assert len(got) == 6 and torch.equal(torch.stack(got, 1), out[:, 40:])
+
+
+def test_a_cache_holding_the_prefix_feeds_the_rest(model):
+    ids, mask = prompt()
+    (a, _), _ = both(model, ids, mask, do_sample=False, max_new_tokens=10)
+    cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+    with torch.no_grad():
+        model(input_ids=ids[:, :25], use_cache=True, **cache_kwargs(model, cache))
+        b = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0, graphs=False,
+                           custom_generate=graph_decoding, prefill_chunk_size=7, **cache_kwargs(model, cache))
+        with pytest.raises(ValueError, match="nothing new to feed"):
+            model.generate(input_ids=b[:, :40], do_sample=False, max_new_tokens=2, pad_token_id=0, custom_generate=graph_decoding,
+                           **cache_kwargs(model, cache))
+    cache.detach()
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(num_beams=2), "num_beams=2"), (dict(output_attentions=True, return_dict_in_generate=True), "attentions"),
+                                       (dict(use_cache=False), "use_cache"), (dict(graphs=True), "graphs=True: .*CUDA")])
+def test_what_it_does_not_do_raises(model, kw, match):
+    ids, mask = prompt()  # (graphs=True: on the CPU, CUDA-graph decoding cannot serve)
+    cache = LongCtxCache(model, KVConfig(bits=4))
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, custom_generate=graph_decoding,
+                       **cache_kwargs(model, cache), **kw)
+    cache.detach()
+
+
+def test_another_cache_raises(model):
+    ids, mask = prompt()
+    with torch.no_grad(), pytest.raises(ValueError, match="LongCtxCache.*DynamicCache"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, custom_generate=graph_decoding,
+                       **cache_kwargs(model, DynamicCache(config=model.config)))
