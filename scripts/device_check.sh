@@ -34,6 +34,8 @@ if want_stage graphs_bnb; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .bnb/bitsandbytes-*.whl
   PYTHONPATH=/tmp/site:$PYTHONPATH TAIL=12 stage graphs_bnb 200 python3 scripts/diag_graphs.py
 fi
+# generate: model.generate()'s own loop against custom_generate=longctx.graph_decoding (bench e2e's model, 4k)
+TAIL=6 stage generate 200 python3 scripts/diag_generate.py 4096 64
 # the e2e stages include StaticCache + torch.compile (~1 min of compiling each)
 TAIL=14 stage e2e_4k 240 python3 -m longctx bench e2e --context 4k --formats int4 --json "$OUT/e2e_4k.json"
 TAIL=14 stage e2e_32k 300 python3 -m longctx bench e2e --context 32k --formats int4 --json "$OUT/e2e_32k.json"

@@ -1,0 +1,47 @@
+"""model.generate() over a LongCtxCache: transformers' own loop against
+`custom_generate=longctx.graph_decoding` (decode steps from CUDA graphs), on bench e2e's
+random Llama-3-8B-shaped model (bf16 weights, batch 1, int4 KV).
+
+Usage (GPU machine, repo root): python3 scripts/diag_generate.py [CONTEXT] [NEW_TOKENS]
+Each run is generate(max_new_tokens=1) (the prefill and one token) and then
+generate(max_new_tokens=1 + NEW_TOKENS) on a fresh cache; decode ms/token is the difference
+over NEW_TOKENS. Both greedy; the script prints whether their tokens agree.
+"""
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+from longctx import KVConfig, LongCtxCache, graph_decoding
+from longctx.bench import llama3_8b_shaped
+from longctx.integrations.transformers import cache_kwargs
+
+
+def timed(model, ids, new, custom):
+    cache = LongCtxCache(model, KVConfig(bits=4))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0, custom_generate=custom,
+                             prefill_chunk_size=4096, **cache_kwargs(model, cache))
+    torch.cuda.synchronize()
+    cache.detach()
+    return time.perf_counter() - t0, out[0, ids.shape[1]:].tolist()
+
+
+def main(context=4096, new=64):
+    model = llama3_8b_shaped(32, context + new + 16)
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).cuda()
+    toks = {}
+    for name, custom in (("generate's loop", None), ("graph_decoding", graph_decoding)):
+        timed(model, ids, 3, custom)  # warm-up: kernels compile, the first graph records
+        one, _ = timed(model, ids, 1, custom)
+        many, toks[name] = timed(model, ids, 1 + new, custom)
+        print(f"{name}: prefill + 1 token {one:.2f} s; decode {(many - one) / new * 1e3:.1f} ms/token over {new} tokens", flush=True)
+    a, b = toks.values()
+    print(f"tokens equal: {sum(x == y for x, y in zip(a, b))}/{len(a)}; first part at {next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)}")
+
+
+if __name__ == "__main__":
+    main(*(int(a) for a in sys.argv[1:]))
