@@ -148,7 +148,7 @@ def graph_decoding(model, input_ids, logits_processor, stopping_criteria, genera
 
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    from .graphs import graph_decoder
+    from .graphs import GraphDecoder, graph_decoder
     from .integrations.transformers import LongCtxCache
 
     gc = generation_config
@@ -178,6 +178,10 @@ def graph_decoding(model, input_ids, logits_processor, stopping_criteria, genera
     if done >= T:
         raise ValueError(f"graph_decoding: the cache already holds {done} tokens and the prompt has {T}: there is nothing new to feed")
     padded = mask is not None and not bool(mask.all())
+    if graphs:  # (before a long prefill)
+        why = "this batch's attention mask has left padding" if padded else GraphDecoder.unsupported(model, cache, empty_ok=True)
+        if why:
+            raise ValueError(f"graphs=True: {why}")
     positions = (mask.long().cumsum(-1) - 1).clamp_(min=0) if padded else None
     ck = cache_kwargs(model, cache)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
@@ -189,8 +193,6 @@ def graph_decoding(model, input_ids, logits_processor, stopping_criteria, genera
     logits = out.logits[:, -1].to(torch.float32, copy=True)
     del out
 
-    if padded and graphs:
-        raise ValueError("graphs=True: CUDA-graph decoding takes rows without left padding (this batch's attention mask has padding)")
     decoder = None if padded else graph_decoder(model, cache, graphs)
     scores = () if gc.return_dict_in_generate and gc.output_scores else None
     raw = () if gc.return_dict_in_generate and gc.output_logits else None

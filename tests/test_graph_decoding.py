@@ -123,6 +123,16 @@ def test_what_it_does_not_do_raises(model, kw, match):
     cache.detach()
 
 
+def test_graphs_true_raises_before_the_prefill(model):
+    ids, mask = prompt(rows=2, pad=4)
+    cache = LongCtxCache(model, KVConfig(bits=4))
+    with torch.no_grad(), pytest.raises(ValueError, match="graphs=True: .*left padding"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, custom_generate=graph_decoding, graphs=True,
+                       **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == 0  # nothing was prefilled
+    cache.detach()
+
+
 def test_another_cache_raises(model):
     ids, mask = prompt()
     with torch.no_grad(), pytest.raises(ValueError, match="LongCtxCache.*DynamicCache"):
