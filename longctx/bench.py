@@ -463,7 +463,7 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
 
     from transformers import DynamicCache
 
-    from .integrations.transformers import LongCtxCache, cache_kwargs
+    from .integrations.transformers import LongCtxCache, cache_kwarg_name, cache_kwargs
 
     cfgs, _, _, _ = _setup("e2e", formats, 64)  # bad names fail before a 16 GB model is built
     model = llama3_8b_shaped(layers, context + 2 * (warmup + new_tokens) + 16, device)
@@ -554,9 +554,10 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
 
         cache = StaticCache(config=model.config, max_cache_len=context + STATIC_WARMUP + new_tokens + 1)
         kw = cache_kwargs(model, cache)
+        key = cache_kwarg_name(model)  # (named outside the compiled step)
 
         def step(tok, pos, cache):
-            out = model(input_ids=tok, cache_position=pos, use_cache=True, **{next(iter(kw)): cache})
+            out = model(input_ids=tok, cache_position=pos, use_cache=True, **{key: cache})
             return out.logits[:, -1:].argmax(-1)
 
         torch.cuda.synchronize()

@@ -42,12 +42,15 @@ def prefill(
     chunk: int = 512,
     on_chunk: Callable[[int, torch.Tensor], None] | None = None,
     all_logits: bool = True,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Feed input_ids [B, T] into `cache` in chunks; returns the last position's logits [B, V].
 
     on_chunk(tokens_done, logits [B, C, V]) is called after every chunk (progress, scoring).
     all_logits=False computes only each chunk's last position (logits [B, 1, V]): a chunk of
     C tokens then never holds C x vocab logits (what `longctx plan` assumes for generation).
+    attention_mask [B, N + T]: left padding, over the N tokens the cache already holds and
+    these T; each chunk gets its prefix of the mask and each row's positions (padding skipped).
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"prefill: input_ids must be [batch, tokens>0], got {tuple(input_ids.shape)}")
@@ -56,9 +59,18 @@ def prefill(
     kw = cache_kwargs(model, cache)
     if not all_logits and "logits_to_keep" in inspect.signature(model.forward).parameters:
         kw["logits_to_keep"] = 1
+    past = 0
+    if attention_mask is not None:
+        past = attention_mask.shape[1] - input_ids.shape[1]
+        if attention_mask.shape[0] != input_ids.shape[0] or past < 0:
+            raise ValueError(f"prefill: attention_mask {tuple(attention_mask.shape)} must cover the cached tokens and input_ids {tuple(input_ids.shape)}")
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
     logits = None
     for c0 in range(0, input_ids.shape[1], chunk):
         ids = input_ids[:, c0 : c0 + chunk].to(model.device)
+        if attention_mask is not None:
+            c1 = past + c0 + ids.shape[1]
+            kw.update(attention_mask=attention_mask[:, :c1], position_ids=positions[:, past + c0 : c1])
         logits = model(input_ids=ids, use_cache=True, **kw).logits
         if on_chunk is not None:
             on_chunk(c0 + ids.shape[1], logits)
@@ -182,16 +194,11 @@ def graph_decoding(model, input_ids, logits_processor, stopping_criteria, genera
         why = "this batch's attention mask has left padding" if padded else GraphDecoder.unsupported(model, cache, empty_ok=True)
         if why:
             raise ValueError(f"graphs=True: {why}")
-    positions = (mask.long().cumsum(-1) - 1).clamp_(min=0) if padded else None
-    ck = cache_kwargs(model, cache)
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     chunk = getattr(gc, "prefill_chunk_size", None) or PREFILL_CHUNK
-    for c0 in range(done, T, chunk):
-        c1 = min(T, c0 + chunk)
-        step = dict(attention_mask=mask[:, :c1], position_ids=positions[:, c0:c1]) if padded else {}
-        out = model(input_ids=input_ids[:, c0:c1], use_cache=True, **ck, **keep, **step)
-    logits = out.logits[:, -1].to(torch.float32, copy=True)
-    del out
+    logits = prefill(model, cache, input_ids[:, done:], chunk=chunk, all_logits=False, attention_mask=mask if padded else None)
+    logits = logits.to(torch.float32, copy=True)  # (made in inference mode: a plain tensor for the processors)
+    positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)[:, -1:] if padded else None  # each row's last prompt position
+    ck = cache_kwargs(model, cache)
 
     decoder = None if padded else graph_decoder(model, cache, graphs)
     scores = () if gc.return_dict_in_generate and gc.output_scores else None

@@ -138,3 +138,13 @@ def test_another_cache_raises(model):
     with torch.no_grad(), pytest.raises(ValueError, match="LongCtxCache.*DynamicCache"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, custom_generate=graph_decoding,
                        **cache_kwargs(model, DynamicCache(config=model.config)))
+
+
+def test_prefill_takes_a_mask_that_covers_cache_and_prompt(model):
+    from longctx.generate import prefill
+
+    ids, mask = prompt(rows=2, pad=4)
+    cache = LongCtxCache(model, KVConfig(bits=4))
+    with pytest.raises(ValueError, match="must cover the cached tokens"):
+        prefill(model, cache, ids, attention_mask=mask[:, 1:])
+    cache.detach()
