@@ -79,7 +79,7 @@ class PagedKVCache:
         self.tail_k = self.tail_v = None  # [L, B, H_kv, capacity, D]
         self._table_tensor: torch.Tensor | None = None  # int32 [B, n_blocks], rebuilt on change
         self.seals = 0  # blocks sealed so far (physical, all rows)
-        self._static: tuple[torch.Tensor, torch.Tensor] | None = None  # (slot, length) while a step is recorded (`static_step`)
+        self._static: tuple | None = None  # (slot, length, start) while a step is recorded (`static_step`)
 
     # ------------------------------------------------------------------ state
     @property
@@ -371,7 +371,7 @@ class PagedKVCache:
         return self._table_tensor
 
     @contextlib.contextmanager
-    def static_step(self, slot: torch.Tensor, length: torch.Tensor):
+    def static_step(self, slot: torch.Tensor, length: torch.Tensor, start: torch.Tensor | None = None):
         """Within: a decode step (one token a row) is recorded for CUDA-graph replays. append
         writes each layer's token at tail slot `slot` (int64 [1] on the device) and view gives
         the tail's first block_size slots with `length` (int32 [1], the tail's length after
@@ -379,16 +379,22 @@ class PagedKVCache:
         step's values (the host's tail lengths at entry) and advances them, and the host's
         tail lengths, by one a replay. The host's tail lengths are restored on exit: the
         recorded step has not run. Needs a tail shorter than a block (seal first), so
-        that the step neither seals nor outgrows the slots the view gives."""
+        that the step neither seals nor outgrows the slots the view gives.
+
+        start (int32 [B] on the device, or None): each row's first attended position (left
+        padding), which `attend` takes where it is given none: a recorded step has no
+        attention mask to read it from (reading one waits on the host)."""
         if not self.initialized or self.batch_size == 0:
             raise RuntimeError("static_step: the cache holds no rows yet; prefill first")
         if len(set(self.tail_len)) != 1 or self.tail_len[0] >= self.block_size:
             raise RuntimeError(f"static_step: tails of {sorted(set(self.tail_len))} tokens; a step records on equal tails shorter than a block (seal first)")
         if slot.dtype != torch.int64 or length.dtype != torch.int32 or slot.numel() != 1 or length.numel() != 1:
             raise ValueError(f"static_step: slot must be int64 [1] and length int32 [1], got {slot.dtype} {tuple(slot.shape)}, {length.dtype} {tuple(length.shape)}")
+        if start is not None and (start.dtype != torch.int32 or tuple(start.shape) != (self.batch_size,) or start.device != self.device):
+            raise ValueError(f"static_step: start must be int32 [{self.batch_size}] on {self.device}, got {start.dtype} {tuple(start.shape)} on {start.device}")
         saved = list(self.tail_len)
         self.block_table()  # built now: built inside a capture, its host copy would be replayed
-        self._static = (slot, length)
+        self._static = (slot, length, start)
         try:
             yield
         finally:
@@ -411,7 +417,10 @@ class PagedKVCache:
 
     def attend(self, layer: int, q: torch.Tensor, start: torch.Tensor | None = None, scale: float | None = None, return_lse: bool = True):
         """Attention of q [B, H_q, C, D] (the last C tokens of `layer`) over this layer's
-        pages and tail: (out [B, H_q, C, D], lse [B, H_q, C])."""
+        pages and tail: (out [B, H_q, C, D], lse [B, H_q, C]). start: each row's first
+        attended position (None: 0, or within `static_step` the start it was given)."""
+        if start is None and self._static is not None:
+            start = self._static[2]
         return paged_attention(q, self.view(layer), start=start, scale=scale, backend=self.config.backend, return_lse=return_lse)
 
     def dense(self, layer: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:

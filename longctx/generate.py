@@ -151,9 +151,9 @@ def graph_decoding(model, input_ids, logits_processor, stopping_criteria, genera
 
     The prompt's tokens that the cache does not hold yet are prefilled in chunks of the
     generation config's `prefill_chunk_size` (else PREFILL_CHUNK). Decode steps come from
-    `GraphDecoder` where it serves (CUDA, the triton backend, rows without left padding);
-    elsewhere, and after a failed recording (warned once), they run eagerly, as generate's
-    loop would. The cache then holds the prompt and every new token but the last, as after
+    `GraphDecoder` where it serves (CUDA, the triton backend; left-padded rows too, their
+    padding given to it as each row's start); elsewhere, and after a failed recording
+    (warned once), they run eagerly, as generate's loop would. The cache then holds the prompt and every new token but the last, as after
     generate's own loop. Beam search, assisted decoding and other inputs raise ValueError:
     call generate without `custom_generate` for them."""
     import dataclasses
@@ -161,7 +161,7 @@ def graph_decoding(model, input_ids, logits_processor, stopping_criteria, genera
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     from .graphs import GraphDecoder, graph_decoder
-    from .integrations.transformers import LongCtxCache
+    from .integrations.transformers import LongCtxCache, start_offsets
 
     gc = generation_config
     kw = dict(model_kwargs)
@@ -191,7 +191,7 @@ def graph_decoding(model, input_ids, logits_processor, stopping_criteria, genera
         raise ValueError(f"graph_decoding: the cache already holds {done} tokens and the prompt has {T}: there is nothing new to feed")
     padded = mask is not None and not bool(mask.all())
     if graphs:  # (before a long prefill)
-        why = "this batch's attention mask has left padding" if padded else GraphDecoder.unsupported(model, cache, empty_ok=True)
+        why = GraphDecoder.unsupported(model, cache, empty_ok=True)
         if why:
             raise ValueError(f"graphs=True: {why}")
     chunk = getattr(gc, "prefill_chunk_size", None) or PREFILL_CHUNK
@@ -200,7 +200,8 @@ def graph_decoding(model, input_ids, logits_processor, stopping_criteria, genera
     positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)[:, -1:] if padded else None  # each row's last prompt position
     ck = cache_kwargs(model, cache)
 
-    decoder = None if padded else graph_decoder(model, cache, graphs)
+    start = start_offsets(mask.to(model.device), T) if padded else None  # (each row's padding; prefill checked the mask)
+    decoder = graph_decoder(model, cache, graphs, start=start)
     scores = () if gc.return_dict_in_generate and gc.output_scores else None
     raw = () if gc.return_dict_in_generate and gc.output_logits else None
     eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)

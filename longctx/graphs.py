@@ -11,9 +11,11 @@ the decoder seals between two replays (eagerly, as an eager step would) and reco
 graph for the new tables.
 
 What it takes: a CUDA model, a LongCtxCache whose attention runs on the triton backend (the
-decode kernel reads the tail's length from the device), rows without padding (no attention
-mask: left padding is read from a mask on the host), and a prefilled cache. `GraphDecoder.
-unsupported` names what is missing; `greedy` and `ChatSession` fall back to eager steps then.
+decode kernel reads the tail's length from the device), and a prefilled cache. Left-padded
+rows take their padding as `start` (each row's first attended position) instead of an
+attention mask: a mask is read on the host, which a replay cannot do; the steps' positions
+then skip each row's padding, as generate's do. `GraphDecoder.unsupported` names what is
+missing; `greedy`, `ChatSession` and `graph_decoding` fall back to eager steps then.
 """
 
 from __future__ import annotations
@@ -39,22 +41,32 @@ class GraphDecoder:
     the decoder checks the cache's blocks and tail lengths before each replay. Recording
     costs about one eager step; the others cost a graph launch.
 
-    The steps take no attention mask: rows must not be left-padded (a padded batch decodes
-    eagerly, through `model(..., attention_mask=...)`).
+    start (int [B], or None): each row's first attended position in the cache, for a
+    left-padded batch (the count of its leading padding tokens). The steps take no attention
+    mask; a row's positions are its tokens after the padding (generate's `position_ids`).
 
     strict=False: where recording fails (a layer of the model that cannot be captured, such
     as a weight format whose kernels wait on the host), warn once and take eager steps from
     then on; strict=True raises.
     """
 
-    def __init__(self, model, cache: LongCtxCache, strict: bool = True):
+    def __init__(self, model, cache: LongCtxCache, strict: bool = True, start: torch.Tensor | None = None):
         why = self.unsupported(model, cache)
         if why:
             raise ValueError(f"GraphDecoder: {why}")
         self.model, self.cache, self.paged = model, cache, cache.paged
         device, B = model.device, cache.paged.batch_size
+        self.start = None  # int32 [B] on the device, None where no row is padded
+        if start is not None:
+            start = torch.as_tensor(start)
+            n = cache.paged.seq_len()
+            if start.shape != (B,) or start.dtype.is_floating_point or bool((start < 0).any()) or bool((start > n).any()):
+                raise ValueError(f"GraphDecoder: start must be integers [{B}] in 0..{n} (each row's padding), got {start.dtype} {tuple(start.shape)}: {start.tolist()}")
+            if bool((start > 0).any()):
+                self.start = start.to(device=device, dtype=torch.int32, copy=True)
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(B, 1, dtype=torch.long, device=device)  # each row's, past its padding
+        self.cache_position = torch.zeros(1, dtype=torch.long, device=device)  # the cache's, all rows alike
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.length = torch.zeros(1, dtype=torch.int32, device=device)
         self.logits: torch.Tensor | None = None
@@ -108,20 +120,34 @@ class GraphDecoder:
     def _forward(self) -> None:
         kw = dict(self.kwargs)
         if self._cache_position:
-            kw["cache_position"] = self.positions[0]
+            kw["cache_position"] = self.cache_position
         out = self.model(input_ids=self.ids, position_ids=self.positions, **kw)
         self.logits = out.logits[:, -1]
         self.next_ids = self.logits.argmax(-1, keepdim=True)
         self.slot += 1
         self.length += 1
         self.positions += 1
+        self.cache_position += 1
 
     def _set_counters(self) -> None:
         paged = self.paged
-        t = paged.tail_len[0]
+        t, n = paged.tail_len[0], paged.seq_len()
         self.slot.fill_(t)
         self.length.fill_(t + 1)
-        self.positions.fill_(paged.seq_len())
+        self.cache_position.fill_(n)
+        self.positions.fill_(n)
+        if self.start is not None:
+            self.positions.sub_(self.start[:, None])
+
+    def _eager(self, ids: torch.Tensor) -> torch.Tensor:
+        """One eager step (after a failed recording): the mask and positions a padded batch needs."""
+        kw = dict(self.kwargs)
+        if self.start is not None:
+            n = self.paged.seq_len()
+            start = self.start.long()[:, None]
+            kw["attention_mask"] = (torch.arange(n + 1, device=start.device)[None, :] >= start).long()
+            kw["position_ids"] = n - start
+        return self.model(input_ids=ids.to(self.ids.device), **kw).logits[:, -1]
 
     def _record(self) -> None:
         """A new graph of one step at the cache's present tables and tail."""
@@ -134,12 +160,12 @@ class GraphDecoder:
         if self.recorded == 0:  # warm up on a side stream, as CUDA graphs ask: lazy inits, compiles
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), paged.static_step(self.slot, self.length):
+            with torch.cuda.stream(side), paged.static_step(self.slot, self.length, self.start):
                 self._set_counters()
                 self._forward()  # (writes the step's own slot, which the replay writes again)
             torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with paged.static_step(self.slot, self.length):
+        with paged.static_step(self.slot, self.length, self.start):
             with torch.cuda.graph(graph):
                 self._forward()
         self.graph = graph
@@ -158,7 +184,7 @@ class GraphDecoder:
         if paged.tail_len[0] >= paged.block_size:
             paged.seal()
         if self.failed is not None:
-            return self.model(input_ids=ids.to(self.ids.device), **self.kwargs).logits[:, -1]
+            return self._eager(ids)
         self.ids.copy_(ids, non_blocking=True)
         if self._stale():
             try:
@@ -178,15 +204,15 @@ class GraphDecoder:
         return self.logits
 
 
-def graph_decoder(model, cache, graphs: bool | None) -> GraphDecoder | None:
-    """A GraphDecoder for a prefilled `cache`, by the `graphs` option the decode loops take:
-    None where one can serve (else None: eager steps), True always (ValueError naming what is
-    missing), False never."""
+def graph_decoder(model, cache, graphs: bool | None, start: torch.Tensor | None = None) -> GraphDecoder | None:
+    """A GraphDecoder for a prefilled `cache` (rows padded by `start`, as GraphDecoder takes
+    it), by the `graphs` option the decode loops take: None where one can serve (else None:
+    eager steps), True always (ValueError naming what is missing), False never."""
     if graphs is False:
         return None
     why = GraphDecoder.unsupported(model, cache)
     if why is None:
-        return GraphDecoder(model, cache, strict=bool(graphs))
+        return GraphDecoder(model, cache, strict=bool(graphs), start=start)
     if graphs:
         raise ValueError(f"graphs=True: {why}")
     return None

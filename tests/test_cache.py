@@ -363,3 +363,13 @@ def test_static_step_writes_at_the_device_slot_and_restores_the_host_counts():
     with pytest.raises(ValueError, match="slot must be int64"):
         with eager.static_step(slot.int(), length):
             pass
+    for start in (torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)):  # (one row here)
+        with pytest.raises(ValueError, match="start must be int32 \\[1\\]"):
+            with eager.static_step(slot, length, start):
+                pass
+    with eager.static_step(slot, length, torch.tensor([5], dtype=torch.int32)):  # attend takes the step's start where given none
+        padded = eager.attend(0, q, return_lse=False)[0]
+        assert torch.equal(eager.attend(0, q, torch.tensor([2], dtype=torch.int32), return_lse=False)[0],
+                           paged_attention(q, eager.view(0), start=torch.tensor([2], dtype=torch.int32), return_lse=False)[0])
+    assert torch.equal(padded, paged_attention(q, eager.view(0), start=torch.tensor([5], dtype=torch.int32), return_lse=False)[0])
+    assert not torch.equal(padded, eager.attend(0, q, return_lse=False)[0])

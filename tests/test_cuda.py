@@ -170,14 +170,17 @@ def test_graph_decoder_matches_eager_steps(dtype, kv):
     assert (a.tail_k[:, :, :, :10].float() - b.tail_k[:, :, :, :10].float()).abs().max().item() <= tol * a.tail_k.abs().max().item()
 
 
-def test_generate_with_graph_decoding_replays_graphs(monkeypatch):
+@pytest.mark.parametrize("pads", [[0], [0, 7, 30]], ids=["one-row", "left-padded"])
+def test_generate_with_graph_decoding_replays_graphs(pads, monkeypatch):
     """model.generate(custom_generate=graph_decoding) on CUDA: its decode steps come from CUDA
-    graphs (over several seals), with the logits and tokens of generate's own eager loop."""
+    graphs (over several seals), left-padded rows too (their padding as the kernel's start),
+    with the logits and tokens of generate's own eager loop."""
     from longctx import graph_decoding
     from longctx.graphs import GraphDecoder
 
     model = tiny_llama(layers=3, heads=8, kv_heads=2, head_dim=64).to("cuda", torch.float32)
-    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(5)).cuda()
+    ids = torch.randint(3, 128, (len(pads), 100), generator=torch.Generator().manual_seed(5)).cuda()
+    mask = (torch.arange(100)[None, :] >= torch.tensor(pads)[:, None]).long().cuda()
     replays = []
     step = GraphDecoder.step
     monkeypatch.setattr(GraphDecoder, "step", lambda self, x: (replays.append(self), step(self, x))[1])
@@ -185,11 +188,12 @@ def test_generate_with_graph_decoding_replays_graphs(monkeypatch):
     for custom in (None, graph_decoding):
         cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
         with torch.no_grad():
-            outs.append(model.generate(input_ids=ids, do_sample=False, max_new_tokens=50, pad_token_id=0, return_dict_in_generate=True,
-                                       output_logits=True, custom_generate=custom, **cache_kwargs(model, cache)))
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=50, pad_token_id=0,
+                                       return_dict_in_generate=True, output_logits=True, custom_generate=custom, **cache_kwargs(model, cache)))
         cache.detach()
     eager, graphed = outs
     assert len(replays) == 49 and replays[0].replayed == 49 and replays[0].recorded >= 3  # a new graph after each seal
+    assert (replays[0].start is None) == (max(pads) == 0)
     a, b = torch.stack(eager.logits), torch.stack(graphed.logits)
     assert (b - a).abs().max().item() <= 1e-3 * a.abs().max().item()
     assert torch.equal(eager.sequences, graphed.sequences)

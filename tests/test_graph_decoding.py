@@ -126,10 +126,69 @@ def test_what_it_does_not_do_raises(model, kw, match):
 def test_graphs_true_raises_before_the_prefill(model):
     ids, mask = prompt(rows=2, pad=4)
     cache = LongCtxCache(model, KVConfig(bits=4))
-    with torch.no_grad(), pytest.raises(ValueError, match="graphs=True: .*left padding"):
+    with torch.no_grad(), pytest.raises(ValueError, match="graphs=True: .*CUDA device"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, custom_generate=graph_decoding, graphs=True,
                        **cache_kwargs(model, cache))
     assert cache.get_seq_length() == 0  # nothing was prefilled
+    cache.detach()
+
+
+def replays_run_eagerly(monkeypatch):
+    """GraphDecoder on the CPU: each "replay" runs the recorded step's forward again under
+    `static_step`, with the decoder's device counters as they are, which is what a CUDA graph's
+    replay does with the buffers it holds. What this leaves to the GPU tests is the capture."""
+    from longctx.graphs import GraphDecoder
+
+    def record(self):
+        decoder = self
+
+        class Replay:
+            def replay(self):
+                with decoder.paged.static_step(decoder.slot, decoder.length, decoder.start):
+                    decoder._forward()
+
+        self.graph = Replay()
+        self.recorded += 1
+        self._set_counters()
+
+    monkeypatch.setattr(GraphDecoder, "unsupported", staticmethod(lambda *a, **k: None))
+    monkeypatch.setattr(GraphDecoder, "_record", record)
+    made = []
+    init = GraphDecoder.__init__
+    monkeypatch.setattr(GraphDecoder, "__init__", lambda self, *a, **k: (made.append(self), init(self, *a, **k))[1])
+    return made
+
+
+@pytest.mark.parametrize("kv", [dict(bits=4, block_size=16), dict(bits=16, block_size=16)], ids=["int4", "bits16"])
+def test_left_padded_batch_steps_from_graphs(model, kv, monkeypatch):
+    """A left-padded batch decodes through GraphDecoder (its replays run eagerly here): each
+    row's padding goes to the kernel as its start, its positions skip the padding, and the
+    logits are generate()'s eager loop's at every step, over seals. A row's start or positions
+    wrong by its padding moves its logits."""
+    made = replays_run_eagerly(monkeypatch)
+    ids, mask = prompt(rows=3, pad=9)
+    mask[1, :4] = 0  # (three paddings: 0, 4, 9)
+    (a, _), (b, cb) = both(model, ids, mask, kv=kv, do_sample=False, max_new_tokens=30, return_dict_in_generate=True, output_logits=True)
+    (decoder,) = made
+    assert decoder.start.tolist() == [0, 4, 9] and decoder.replayed == 29 and decoder.recorded == 3  # after each seal (tails 8, 16, 16)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits, strict=True):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-5)
+    assert cb.get_seq_length() == 69
+
+
+def test_graph_decoder_checks_its_start(model, monkeypatch):
+    from longctx.graphs import GraphDecoder
+    from longctx.generate import prefill
+
+    replays_run_eagerly(monkeypatch)
+    ids, _ = prompt(rows=2)
+    cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+    prefill(model, cache, ids)
+    for bad in ([1], [0, 41], [-1, 0], [0.5, 0]):
+        with pytest.raises(ValueError, match="start must be integers \\[2\\] in 0..40"):
+            GraphDecoder(model, cache, start=torch.tensor(bad))
+    assert GraphDecoder(model, cache, start=torch.tensor([0, 0])).start is None  # (no padding: the unmasked kernel)
     cache.detach()
 
 
