@@ -397,6 +397,7 @@ class E2ERow:
     seal_extra_ms: float = float("nan")  # a sealing step's time over the median step's (LongCtxCache)
     seal_pct: float = float("nan")  # that excess spread over block_size steps, % of the median step
     compile_s: float = float("nan")  # the compiled peer: its warm-up steps (compiling and recording), s
+    recorded: int = 0  # the CUDA-graph row: graphs recorded, its warm-up steps' first one included
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -538,12 +539,22 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
                 tok = decoder.next_ids
             torch.cuda.synchronize()
             t1 = time.perf_counter()
+            marks = []
             for _ in range(new_tokens):
+                seals, records = cache.paged.seals, decoder.recorded
+                marks.append([torch.cuda.Event(enable_timing=True), False])
+                marks[-1][0].record()
                 decoder.step(tok)
                 tok = decoder.next_ids
+                marks[-1][1] = cache.paged.seals != seals or decoder.recorded != records
+            marks.append([torch.cuda.Event(enable_timing=True), None])
+            marks[-1][0].record()
             torch.cuda.synchronize()
             t2 = time.perf_counter()
         graphed = E2ERow(f"{name} + CUDA graphs", context, prefill_s, (t2 - t1) / new_tokens * 1e3, torch.cuda.max_memory_allocated() / 2**30)
+        step_ms = [a[0].elapsed_time(b[0]) for a, b in zip(marks, marks[1:])]  # (a step that seals or records counts as sealing)
+        graphed.seal_extra_ms, graphed.seal_pct = sealing_share(step_ms, [m[1] for m in marks[:-1]], cache.paged.block_size)
+        graphed.recorded = decoder.recorded
         del decoder
         if progress is not None:
             progress(graphed)

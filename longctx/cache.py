@@ -32,6 +32,11 @@ from .ops.quantize_blocks import quantize_blocks_into
 from .quant import BlockFormat
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# room a graph table (`graph_table`) leaves for later seals: max(GRAPH_ROOM[0], blocks //
+# GRAPH_ROOM[1]) columns; a decode graph is recorded anew when it fills (every 1,024 tokens of
+# 64-token blocks at short contexts, every 1/16 of the context at long ones), and its plan is
+# made for the full width
+GRAPH_ROOM = (16, 16)
 
 
 def _index(values, device, dtype=torch.int64) -> torch.Tensor:
@@ -80,6 +85,9 @@ class PagedKVCache:
         self._table_tensor: torch.Tensor | None = None  # int32 [B, n_blocks], rebuilt on change
         self.seals = 0  # blocks sealed so far (physical, all rows)
         self._static: tuple | None = None  # (slot, length, start) while a step is recorded (`static_step`)
+        # (table [B, width] with room, its block count int32 [1]) on the device, for recorded
+        # steps (`graph_table`): seals write their columns in place while there is room
+        self._graph_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -347,6 +355,14 @@ class PagedKVCache:
         if old is not None and tuple(old.shape) == (len(self.tables.rows), nb0):  # append the n new columns
             new = _index([row[nb0:] for row in self.tables.rows], self.device, torch.int32).reshape(len(self.tables.rows), n)
             self._table_tensor = torch.cat([old, new], 1)
+        if self._graph_table is not None:  # the recorded steps' table: the new columns in place, or dropped when full
+            table, count = self._graph_table
+            nb = self.num_blocks
+            if nb <= table.shape[1]:
+                table[:, nb0:nb] = self.block_table()[:, nb0:nb]
+                count.fill_(nb)
+            else:
+                self._graph_table = None
         return n
 
     def _quantize_into(self, sel: list[tuple[int, int]], ids: list[int], blocks_k: torch.Tensor, blocks_v: torch.Tensor) -> None:
@@ -393,7 +409,7 @@ class PagedKVCache:
         if start is not None and (start.dtype != torch.int32 or tuple(start.shape) != (self.batch_size,) or start.device != self.device):
             raise ValueError(f"static_step: start must be int32 [{self.batch_size}] on {self.device}, got {start.dtype} {tuple(start.shape)} on {start.device}")
         saved = list(self.tail_len)
-        self.block_table()  # built now: built inside a capture, its host copy would be replayed
+        self.graph_table()  # built now: built inside a capture, its host copy would be replayed
         self._static = (slot, length, start)
         try:
             yield
@@ -401,18 +417,40 @@ class PagedKVCache:
             self._static = None
             self.tail_len = saved
 
+    def graph_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block table recorded steps read (`static_step`): int32 [B, width] on the device,
+        its first num_blocks columns block_table()'s and the rest room (GRAPH_ROOM), and the
+        block count, int32 [1] on the device. Seals write their columns into it in place and
+        advance the count, so that a CUDA graph's step outlives them; when it is full, or rows
+        change (select_rows, crop, reset), it is dropped and the next call makes a new one
+        (so does a graph decoder: a new table is a new recording)."""
+        nb = self.num_blocks
+        if self._graph_table is None:
+            width = max(1, nb + max(GRAPH_ROOM[0], nb // GRAPH_ROOM[1]))
+            with torch.inference_mode(False):  # (plain tensors: seals write them in or out of inference mode)
+                table = torch.zeros(self.batch_size, width, dtype=torch.int32, device=self.device)
+                count = torch.zeros(1, dtype=torch.int32, device=self.device)
+            table[:, :nb] = self.block_table()
+            count.fill_(nb)
+            self._graph_table = (table, count)
+        return self._graph_table
+
     def view(self, layer: int) -> PagedView:
-        # (a recorded step: the block's slots, the length on the device)
-        t = self.block_size if self._static is not None else self.tail_len[layer]
+        # (a recorded step: the graph table and its count, the tail's block of slots and its
+        # length, all on the device; the kernel clamps the sinks to the count)
+        static = self._static is not None
+        t = self.block_size if static else self.tail_len[layer]
+        table, count = self.graph_table() if static else (self.block_table(), None)
         return PagedView(
             pages=self.pages[layer],
             sink_k=self.sink_k[layer],
             sink_v=self.sink_v[layer],
-            block_table=self.block_table(),
-            n_sink=min(self.config.sink_blocks, self.num_blocks),
+            block_table=table,
+            n_sink=self.config.sink_blocks if static else min(self.config.sink_blocks, self.num_blocks),
             tail_k=self.tail_k[layer, :, :, :t],
             tail_v=self.tail_v[layer, :, :, :t],
-            tail_len=self._static[1] if self._static is not None else None,
+            tail_len=self._static[1] if static else None,
+            n_blocks=count,
         )
 
     def attend(self, layer: int, q: torch.Tensor, start: torch.Tensor | None = None, scale: float | None = None, return_lse: bool = True):
@@ -445,6 +483,7 @@ class PagedKVCache:
         self.tail_k = self.tail_k.index_select(1, idx)
         self.tail_v = self.tail_v.index_select(1, idx)
         self._table_tensor = None
+        self._graph_table = None
 
     def reorder(self, beam_idx) -> None:
         self.select_rows(beam_idx)
@@ -485,12 +524,14 @@ class PagedKVCache:
         self.tables.truncate(keep_blocks)
         self.tail_len = [keep] * self.num_layers
         self._table_tensor = None
+        self._graph_table = None
 
     def reset(self) -> None:
         """Drop every row and token; pools keep their memory for reuse."""
         self.tables.clear()
         self.tail_len = [0] * self.num_layers
         self._table_tensor = None
+        self._graph_table = None
 
     # ------------------------------------------------------------------ report
     @_storage_op

@@ -6,9 +6,11 @@ consumer card holds (ANCHORS.md: ~70 ms a token with DynamicCache + SDPA, of a f
 work). `GraphDecoder` records one step of the model over a `LongCtxCache` into a CUDA graph
 and replays it while nothing but the step's position changes: the token ids, the position
 ids and the tail's write slot and length live on the device, and the graph advances them
-itself. The page tables change only when a block seals, once every block_size tokens; then
-the decoder seals between two replays (eagerly, as an eager step would) and records a new
-graph for the new tables.
+itself. When a block seals, once every block_size tokens, the decoder seals between two
+replays (eagerly, as an eager step would): the seal writes the new column into a table with
+room (`PagedKVCache.graph_table`) and the block count on the device, which the decode kernel
+loads, so the same graph goes on. A new graph is recorded only when that table is full
+(after GRAPH_ROOM's blocks) or something else changed the cache.
 
 What it takes: a CUDA model, a LongCtxCache whose attention runs on the triton backend (the
 decode kernel reads the tail's length from the device), and a prefilled cache. Left-padded
@@ -36,10 +38,11 @@ class GraphDecoder:
     a buffer of the graph, valid until the next step (copy what you keep). `next_ids` [B, 1]
     holds their argmax (the greedy choice), computed inside the graph.
 
-    A graph is recorded at the first step after each seal (every block_size tokens), and
-    again whenever the cache was changed by something else (an eager step, a crop, a reset):
-    the decoder checks the cache's blocks and tail lengths before each replay. Recording
-    costs about one eager step; the others cost a graph launch.
+    A graph is recorded at the first step, again when the cache's graph table is full (its
+    seals went on in place until then: every GRAPH_ROOM blocks), and whenever the cache was
+    changed by something else (an eager step, a crop, a reset): the decoder checks the tail
+    lengths, the rows and the tensors the graph holds before each replay. Recording costs
+    about one eager step; the others cost a graph launch, and a seal its eager work.
 
     start (int [B], or None): each row's first attended position in the cache, for a
     left-padded batch (the count of its leading padding tokens). The steps take no attention
@@ -106,10 +109,14 @@ class GraphDecoder:
         return None
 
     def _current(self) -> tuple:
-        """What the graph's next replay relies on: the blocks and tail lengths, and (by
-        identity) the tensors whose addresses it holds that a seal or a row change replaces."""
+        """What the graph's next replay relies on: the tail lengths and rows, and (by
+        identity) the tensors whose addresses it holds: the graph table (a seal writes into
+        it, or drops it when full; a row change drops it), the tails, the sinks and the pools
+        (replaced when they grow)."""
         paged = self.paged
-        return (paged.num_blocks, tuple(paged.tail_len), paged.batch_size), (paged._table_tensor, paged.tail_k, paged.sink_k)
+        table = paged._graph_table[0] if paged._graph_table is not None else None
+        pool = next(iter(paged.pages[0].tensors().values()))
+        return (tuple(paged.tail_len), paged.batch_size), (table, paged.tail_k, paged.sink_k, pool)
 
     def _stale(self) -> bool:
         if self.graph is None or self._state is None:
@@ -182,7 +189,13 @@ class GraphDecoder:
             paged.tail_len = [min(paged.tail_len)] * paged.num_layers
         paged._check_room(1)
         if paged.tail_len[0] >= paged.block_size:
+            fresh = not self._stale()
             paged.seal()
+            if fresh and self.failed is None:  # the graph outlives its own seals while its tensors stay
+                now = self._current()
+                if all(a is b for a, b in zip(self._state[1], now[1])):
+                    self._set_counters()
+                    self._state = now
         if self.failed is not None:
             return self._eager(ids)
         self.ids.copy_(ids, non_blocking=True)

@@ -320,6 +320,41 @@ TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 
 
+def test_graph_table_takes_seals_in_place_until_full(monkeypatch):
+    """The table recorded steps read (`graph_table`): block_table()'s columns and room after
+    them, the count on the device; seals write their columns into it in place while it has
+    room, and drop it when full or when rows change, so a new one (a new recording) follows.
+    Within static_step, views give it with the count."""
+    from longctx import cache as C
+
+    monkeypatch.setattr(C, "GRAPH_ROOM", (2, 16))
+    cfg = KVConfig(bits=4, block_size=16, sink_blocks=1)
+    k, v = random_kv(2, 2, 200, 32, seed=6)
+    c = PagedKVCache(cfg, num_layers=1, num_kv_heads=2, head_dim=32)
+    c.append(0, k[:, :, :40], v[:, :, :40])
+    c.seal()
+    table, count = c.graph_table()
+    assert table.shape == (2, 4) and int(count) == 2 and torch.equal(table[:, :2], c.block_table())
+    for t in (56, 72):  # two seals: the room
+        c.append(0, k[:, :, t - 16 : t], v[:, :, t - 16 : t])
+        c.seal()
+        assert c.graph_table()[0] is table and int(count) == c.num_blocks and torch.equal(table[:, : c.num_blocks], c.block_table())
+    with c.static_step(torch.tensor([c.tail_len[0]]), torch.tensor([c.tail_len[0] + 1], dtype=torch.int32)):
+        view = c.view(0)
+        assert view.block_table is table and view.n_blocks is count and view.n_sink == 1
+    c.append(0, k[:, :, 72:88], v[:, :, 72:88])
+    c.seal()  # full: dropped
+    assert c._graph_table is None and int(count) == 4
+    again, count = c.graph_table()
+    assert again is not table and again.shape == (2, 7) and int(count) == 5 and torch.equal(again[:, :5], c.block_table())
+    c.select_rows([1, 0])
+    assert c._graph_table is None
+    table, count = c.graph_table()
+    assert torch.equal(table[:, :5], c.block_table()) and torch.equal(table[0, :5], again[1, :5])
+    c.crop(70)
+    assert c._graph_table is None
+
+
 def test_static_step_writes_at_the_device_slot_and_restores_the_host_counts():
     """A step recorded for CUDA graphs (`static_step`): each layer's token goes to the tail
     slot the device says, views give the block's slots with the device length, the host's

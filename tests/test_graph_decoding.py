@@ -159,18 +159,22 @@ def replays_run_eagerly(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("kv", [dict(bits=4, block_size=16), dict(bits=16, block_size=16)], ids=["int4", "bits16"])
-def test_left_padded_batch_steps_from_graphs(model, kv, monkeypatch):
+@pytest.mark.parametrize("kv, records", [(dict(bits=4, block_size=16, max_blocks=64), 1), (dict(bits=16, block_size=16, max_blocks=64), 1),
+                                         (dict(bits=4, block_size=16), 3)], ids=["int4", "bits16", "int4-pools-grow"])
+def test_left_padded_batch_steps_from_graphs(model, kv, records, monkeypatch):
     """A left-padded batch decodes through GraphDecoder (its replays run eagerly here): each
     row's padding goes to the kernel as its start, its positions skip the padding, and the
-    logits are generate()'s eager loop's at every step, over seals. A row's start or positions
-    wrong by its padding moves its logits."""
+    logits are generate()'s eager loop's at every step, over two seals. One recording serves
+    them (the seals write into the graph table), unless the pools grow (allocated as needed,
+    not up to max_blocks): new pools are new addresses, so a new recording, at both seals
+    here. A row's start or positions wrong by its padding moves its logits."""
     made = replays_run_eagerly(monkeypatch)
     ids, mask = prompt(rows=3, pad=9)
     mask[1, :4] = 0  # (three paddings: 0, 4, 9)
     (a, _), (b, cb) = both(model, ids, mask, kv=kv, do_sample=False, max_new_tokens=30, return_dict_in_generate=True, output_logits=True)
     (decoder,) = made
-    assert decoder.start.tolist() == [0, 4, 9] and decoder.replayed == 29 and decoder.recorded == 3  # after each seal (tails 8, 16, 16)
+    assert decoder.start.tolist() == [0, 4, 9] and decoder.replayed == 29 and decoder.recorded == records
+    assert cb.paged.num_blocks == 4 and cb.paged.seals > 0  # (two seals in the 29 steps: tails 8 -> 16, 16)
     assert torch.equal(a.sequences, b.sequences)
     for x, y in zip(a.logits, b.logits, strict=True):
         assert torch.allclose(x, y, rtol=1e-5, atol=1e-5)

@@ -160,7 +160,9 @@ def e2e(
     Prefill in chunks, then greedy decode; bf16 weights, batch 1. For LongCtxCache, "sealing
     step +ms" is what the step that seals every layer's full tail takes over the median step
     (GPU timeline), and "sealing adds" that excess spread over the block_size steps between
-    seals, in % of the median step. "StaticCache + torch.compile" is transformers' static cache
+    seals, in % of the median step; for the CUDA-graph row, a step that records a new graph
+    counts as sealing too (graphs outlive seals; they are recorded anew when the graph table is
+    full or the pools grow). "StaticCache + torch.compile" is transformers' static cache
     with the decode step compiled into CUDA graphs; "compile s" is its untimed warm-up.
 
     Example: longctx bench e2e --context 128k --formats int4

@@ -50,6 +50,10 @@ class PagedView:
                  tail_k that count, the rest being room (1 .. T_tail). A decode step replayed
                  from a CUDA graph reads its length there, since a replay cannot change a host
                  int; the triton decode kernel loads it, other paths read it back (one sync).
+    n_blocks:    None (every column of block_table counts), or int32 [1] on the device: the
+                 columns that count, the rest being room. A CUDA graph's decode step then
+                 outlives a seal (a new column, written in place): the triton decode kernel
+                 loads the count, other paths read it back (`host_lengths`).
     Row b's token t (0-based over the whole sequence) is logical block t // P, slot t % P,
     or tail slot t - n_blocks * P.
     """
@@ -62,6 +66,7 @@ class PagedView:
     tail_k: torch.Tensor
     tail_v: torch.Tensor
     tail_len: torch.Tensor | None = None
+    n_blocks: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -73,16 +78,20 @@ class PagedView:
 
     @property
     def total_len(self) -> int:
-        """Tokens a row holds (with a device `tail_len`: at most this many)."""
+        """Tokens a row holds (with device lengths: at most this many)."""
         return self.past_len + self.tail_k.shape[2]
 
-    def host_tail(self) -> PagedView:
-        """This view with a device `tail_len` read back (one sync) and the tail cut to it:
-        what paths without device lengths take."""
-        if self.tail_len is None:
-            return self
-        n = int(self.tail_len.reshape(-1)[0])
-        return dataclasses.replace(self, tail_k=self.tail_k[:, :, :n], tail_v=self.tail_v[:, :, :n], tail_len=None)
+    def host_lengths(self) -> PagedView:
+        """This view with its device lengths (`tail_len`, `n_blocks`) read back (a sync each)
+        and the tail and table cut to them: what paths without device lengths take."""
+        view = self
+        if view.tail_len is not None:
+            n = int(view.tail_len.reshape(-1)[0])
+            view = dataclasses.replace(view, tail_k=view.tail_k[:, :, :n], tail_v=view.tail_v[:, :, :n], tail_len=None)
+        if view.n_blocks is not None:
+            nb = int(view.n_blocks.reshape(-1)[0])
+            view = dataclasses.replace(view, block_table=view.block_table[:, :nb], n_sink=min(view.n_sink, nb), n_blocks=None)
+        return view
 
 
 _PLACEHOLDERS: dict = {}

@@ -161,6 +161,56 @@ def test_device_tail_length(case):
         paged_attention(q, dataclasses.replace(roomy(P - t), tail_len=length.long()), start=start, backend="triton")
 
 
+# (B, T, Hq, Hkv, D, block, cfg kwargs, padding, splits): 18, 12 and 6 blocks a row
+DEVICE_COUNT_CASES = [
+    (1, 300, 8, 2, 64, 16, dict(bits=4), False, None),
+    (2, 200, 4, 1, 64, 16, dict(bits=4, k_bits=8, sink_blocks=2), True, 5),
+    (1, 100, 8, 2, 128, 16, dict(bits=16), False, 4),
+    (2, 104, 4, 2, 64, 16, dict(bits=2, rotate=True), True, 3),
+]
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["shares", "apart"])
+@pytest.mark.parametrize("case", DEVICE_COUNT_CASES, ids=[case_id(c) for c in DEVICE_COUNT_CASES])
+def test_device_block_count(case, apart, monkeypatch):
+    """A table with room whose block count is on the device (seals between a CUDA graph's
+    replays add columns in place): the kernel, planned once for the table's width, works out
+    each split's share from the count it loads and reads only the counted columns, for every
+    count from the full table down to none sealed (the sink blocks clamped to it): against
+    the reference over the table cut to the count, and against the same kernel given the
+    cut table."""
+    import dataclasses
+
+    monkeypatch.setitem(TUNE, "side_apart", apart)
+    B, T, Hq, Hkv, D, P, kw, pad, sp = case
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    cfg = KVConfig(block_size=P, **kw)
+    cache, _, _ = fill(cfg, B, T, 1, Hkv, D, dtype=dtype, seed=T)
+    cache.seal()
+    view = _to(cache.view(0), DEVICE)
+    nb = view.block_table.shape[1]
+    # room: ids of sealed blocks in another order (read by mistake, they would count twice)
+    room = view.block_table[:, cfg.sink_blocks :].flip(1)[:, :7]
+    wide = dataclasses.replace(view, block_table=torch.cat([view.block_table, room], 1), n_sink=cfg.sink_blocks)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(T + 1)).to(dtype).to(DEVICE)
+    start = torch.tensor([min(4 * b + 1, 40) for b in range(B)], dtype=torch.int32, device=DEVICE) if pad else None
+    tol = FLOOR[dtype]
+    for count in (nb, nb - 1, nb // 2, cfg.sink_blocks, 0):
+        dev = dataclasses.replace(wide, n_blocks=torch.tensor([count], dtype=torch.int32, device=DEVICE))
+        cut = dataclasses.replace(view, block_table=view.block_table[:, :count], n_sink=min(cfg.sink_blocks, count))
+        got, got_lse = paged_decode_triton(q, dev, start, D**-0.5, splits=sp)
+        want, want_lse = paged_decode_triton(q, cut, start, D**-0.5, splits=sp)
+        ref, ref_lse = paged_attention(q, cut, start=start, backend="reference")
+        assert torch.isfinite(got).all(), count
+        for other, other_lse in ((want, want_lse), (ref, ref_lse)):
+            assert (got.float() - other.float()).abs().max().item() <= tol, count
+            assert (got_lse - other_lse).abs().max().item() <= tol, count
+        back, back_lse = paged_attention(q, dev, start=start, backend="reference")  # (read back: the same as the cut view)
+        assert torch.equal(back, ref) and torch.equal(back_lse, ref_lse)
+    with pytest.raises(ValueError, match="n_blocks must be an int32"):
+        paged_attention(q, dataclasses.replace(wide, n_blocks=torch.tensor([nb], device=DEVICE)), start=start, backend="triton")
+
+
 def _to(view, device):
     import dataclasses
 

@@ -56,14 +56,13 @@ def paged_attention(
         raise ValueError(f"paged_attention: block_table {tuple(view.block_table.shape)} has a different batch than q {tuple(q.shape)}")
     _check_start(start, B)
     name = resolve_backend(backend, q, D)
-    if view.tail_len is not None:
-        n = view.tail_len
-        if n.dtype != torch.int32 or n.numel() != 1 or n.device != tk.device:
-            raise ValueError(f"paged_attention: tail_len must be an int32 tensor of one element on {tk.device}, got {n.dtype} {tuple(n.shape)} on {n.device}")
-        if name != "triton" or C > 1:  # only the decode kernel loads the length itself
-            view = view.host_tail()
-            if C > view.tail_k.shape[2]:
-                raise ValueError(f"paged_attention: {C} queries but tail_len says {view.tail_k.shape[2]} tokens in the tail")
+    for what, n in (("tail_len", view.tail_len), ("n_blocks", view.n_blocks)):
+        if n is not None and (n.dtype != torch.int32 or n.numel() != 1 or n.device != tk.device):
+            raise ValueError(f"paged_attention: {what} must be an int32 tensor of one element on {tk.device}, got {n.dtype} {tuple(n.shape)} on {n.device}")
+    if (view.tail_len is not None or view.n_blocks is not None) and (name != "triton" or C > 1):  # only the decode kernel loads them itself
+        view = view.host_lengths()
+        if C > view.tail_k.shape[2]:
+            raise ValueError(f"paged_attention: {C} queries but tail_len says {view.tail_k.shape[2]} tokens in the tail")
     match name:
         case "reference":
             from .reference import paged_attention_reference

@@ -54,6 +54,7 @@ def _decode_kernel(
     ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
     STAMPS=None, PDL: tl.constexpr = False, GRID: tl.constexpr = 0, S_PAD: tl.constexpr = 0, SC: tl.constexpr = 0,
     BD: tl.constexpr = 0, TINY_CODES: tl.constexpr = False, BOUNDS=None, TAIL_DEV: tl.constexpr = False,
+    BLOCKS_DEV: tl.constexpr = False,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -74,7 +75,11 @@ def _decode_kernel(
     (experiments only, `BOUND` below; None compiles none of it): int32 [rows * H, n_splits + 1],
     each (row, KV head)'s split boundaries over its logical blocks (0 .. total, nondecreasing),
     in place of blocks_per_split's equal shares. TAIL_DEV: tail_len is a pointer to the tail's
-    length (int32; a CUDA graph's replays change it on the device), which is loaded."""
+    length (int32; a CUDA graph's replays change it on the device), which is loaded.
+    BLOCKS_DEV: n_blocks is a pointer to the table's block count (int32; seals between a CUDA
+    graph's replays change it on the device, up to the table's width), and n_sink the sink
+    blocks a full table has; each split's share is then worked out here from the count, in
+    whole steps of PAGES as the launcher's plan does (blocks_per_split is not read)."""
     if GRID > 0:  # noqa: SIM102 (a constexpr test alone: without merge programs none of this compiles)
         if tl.program_id(1) >= n_splits:
             _grid_merge(O, LSE, OUT, LOUT, COUNT, tl.program_id(0), tl.program_id(1) - n_splits, n_splits,
@@ -101,7 +106,15 @@ def _decode_kernel(
     gmask = offs_g < G
     if TAIL_DEV:
         tail_len = tl.load(tail_len)
+    if BLOCKS_DEV:
+        n_blocks = tl.load(n_blocks)
+        n_sink = tl.minimum(n_sink, n_blocks)
     total = n_blocks + tl.cdiv(tail_len, P)
+    if BLOCKS_DEV:  # (side_apart: the sealed blocks over all splits but the last, which takes the sinks and the tail)
+        if apart:
+            blocks_per_split = PAGES * tl.maximum(1, tl.cdiv(n_blocks - n_sink, (n_splits - 1) * PAGES))
+        else:
+            blocks_per_split = PAGES * tl.maximum(1, tl.cdiv(total, n_splits * PAGES))
     if BOUNDS is not None:
         lo = tl.load(BOUNDS + pid * (n_splits + 1) + split)
         hi = tl.load(BOUNDS + pid * (n_splits + 1) + split + 1)
@@ -1084,7 +1097,7 @@ def _plan_key(st: _Setup, q, view: PagedView, start, splits, capturing: bool):
         return None
     tiny = tiny_codes_exact(q.device)
     return (st.fmt, tuple(q.shape), q.dtype, st.pools[3].dtype, start is None, st.device, st.gpu, st.total, st.n_blocks,
-            st.n_sink, st.tail_len > 0, view.tail_len is None, splits, capturing, tiny, tuple(TUNE.items()))
+            st.n_sink, st.tail_len > 0, view.tail_len is None, view.n_blocks is None, splits, capturing, tiny, tuple(TUNE.items()))
 
 
 def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan):
@@ -1105,7 +1118,8 @@ def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan):
             view.sink_k, view.sink_v, *st.pools, tail_k, tail_v,
             o, o_r, lse, out, lout, count,
             st.q.stride(0), st.q.stride(1), st.table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-            st.n_blocks, st.n_sink, st.tail_len if view.tail_len is None else view.tail_len, plan.bps, scale, plan.splits, int(plan.apart))
+            st.n_blocks if view.n_blocks is None else view.n_blocks, st.n_sink, st.tail_len if view.tail_len is None else view.tail_len,
+            plan.bps, scale, plan.splits, int(plan.apart))
     return o, o_r, lse, out, lout, args
 
 
@@ -1144,7 +1158,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
                   SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
                   TINY_CODES=bool(tiny), GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)),
-                  TAIL_DEV=view.tail_len is not None, **opts)
+                  TAIL_DEV=view.tail_len is not None, BLOCKS_DEV=view.n_blocks is not None, **opts)
     # programmatic dependent launch (sm_90+): each launch may start while the one before it
     # ends, and waits for it on the GPU (gdc_wait) before reading what it wrote
     pdl = dict(PDL=True, launch_pdl=True) if gpu and TUNE["pdl"] and torch.cuda.get_device_capability(device) >= (9, 0) else {}
@@ -1189,7 +1203,8 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
 
     def fit_for(splits: int) -> int:
         """Programs of the compiled kernel (its merge mode at `splits`) one SM holds (GPU)."""
-        key = (device, fmt, q.dtype, KS.dtype, start is not None, view.tail_len is None, merge_mode(splits), stages, side, tuple(TUNE.items()))
+        key = (device, fmt, q.dtype, KS.dtype, start is not None, view.tail_len is None, view.n_blocks is None, merge_mode(splits), stages, side,
+               tuple(TUNE.items()))
         fit = _FIT.get(key)
         if fit is None:  # (the in-kernel merge costs registers: 165 against 128 on triton 3.6)
             plan = plan_for(splits, warmup=True)
