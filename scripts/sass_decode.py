@@ -51,7 +51,7 @@ def compile_decode(a):
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
                  PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
                  SKIP=bool(a.skip), STAMPS=None, TINY_CODES=bool(a.tiny and a.wp), PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
-    const.update(GRID=0, S_PAD=0, SC=0, BD=0)
+    const.update(GRID=0, S_PAD=0, SC=0, BD=0, TAIL_DEV=False, BLOCKS_DEV=False)  # (host lengths, as eager calls pass them)
     if not a.bounds:
         const["BOUNDS"] = None
     if a.merge == "grid":  # merge programs after the splits in the same grid (TUNE merge "grid")
@@ -67,6 +67,7 @@ def compile_decode(a):
         bt = max(1, a.prefill // G)
         const.update(BT=bt, M=max(16, triton.next_power_of_2(bt * G)))
         const = {k: v for k, v in const.items() if k in names}
+    const = {k: v for k, v in const.items() if k in names}  # (a kernel of another commit may lack newer ones)
     nospec = {names[i] if isinstance(i, int) else i for i in (getattr(fn, "do_not_specialize", None) or ())}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.isupper() and n not in ("C", "S") else "fp32" if n == "scale" else "i32" for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
