@@ -421,9 +421,10 @@ class PagedKVCache:
         """The block table recorded steps read (`static_step`): int32 [B, width] on the device,
         its first num_blocks columns block_table()'s and the rest room (GRAPH_ROOM), and the
         block count, int32 [1] on the device. Seals write their columns into it in place and
-        advance the count, so that a CUDA graph's step outlives them; when it is full, or rows
-        change (select_rows, crop, reset), it is dropped and the next call makes a new one
-        (so does a graph decoder: a new table is a new recording)."""
+        advance the count, so that a CUDA graph's step outlives them; a reorder of as many
+        rows moves its rows in place. When it is full, when the row count changes, and on a
+        crop or reset, it is dropped and the next call makes a new one (so does a graph
+        decoder: a new table is a new recording)."""
         nb = self.num_blocks
         if self._graph_table is None:
             width = max(1, nb + max(GRAPH_ROOM[0], nb // GRAPH_ROOM[1]))
@@ -472,7 +473,9 @@ class PagedKVCache:
     @_storage_op
     def select_rows(self, indices) -> None:
         """Rows become copies of rows[indices]: reorder (beams), fork, drop, repeat. Copies
-        block ids (refcounts) and the tails only, never a sealed block's bytes."""
+        block ids (refcounts) and the tails only, never a sealed block's bytes. With as many
+        rows as before (beam search's reorder, every step) the tails' tokens and the graph
+        table's rows move in place, so a decode graph's addresses stay valid."""
         if not self.initialized or self.batch_size == 0:
             return
         idx = torch.as_tensor(indices, dtype=torch.long).flatten()
@@ -480,9 +483,18 @@ class PagedKVCache:
             return
         self.tables.select(idx.tolist())
         idx = idx.to(self.device)
+        self._table_tensor = None
+        if idx.numel() == self.tail_k.shape[1]:  # as many rows (beams each step): in place, the tokens the tails hold only
+            t = max(self.tail_len)  # (a prefill's chunk may have left room for thousands)
+            if t:
+                self.tail_k[:, :, :, :t] = self.tail_k[:, :, :, :t].index_select(1, idx)
+                self.tail_v[:, :, :, :t] = self.tail_v[:, :, :, :t].index_select(1, idx)
+            if self._graph_table is not None:  # (its rows follow: a decode graph goes on)
+                table = self._graph_table[0]
+                table.copy_(table.index_select(0, idx))
+            return
         self.tail_k = self.tail_k.index_select(1, idx)
         self.tail_v = self.tail_v.index_select(1, idx)
-        self._table_tensor = None
         self._graph_table = None
 
     def reorder(self, beam_idx) -> None:

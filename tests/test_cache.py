@@ -79,6 +79,29 @@ def test_reorder_copies_tails_only_and_keeps_sealed_bytes():
     cache.tables.check()
 
 
+def test_reorder_in_place_moves_the_held_tokens_and_the_graph_table():
+    """A reorder that keeps the row count (beam search, every step) moves the tails' held
+    tokens and the graph table's rows in place, leaving the room after the tokens alone; one
+    that changes it (fork) makes new tails and drops the graph table."""
+    cache = make()
+    k, v = random_kv(3, 2, 80, 64, seed=9)
+    step(cache, k, v)  # (a chunk of 80: the tails' room outlasts the seal)
+    step(cache, k[:, :, :1], v[:, :, :1])
+    tail_k, table = cache.tail_k, cache.graph_table()[0]
+    held = max(cache.tail_len)
+    assert 0 < held < tail_k.shape[3]
+    room = tail_k[:, :, :, held:].clone()
+    want_k = tail_k[:, :, :, :held].index_select(1, torch.tensor([2, 2, 0])).clone()
+    want_t = table.index_select(0, torch.tensor([2, 2, 0]))
+    cache.reorder(torch.tensor([2, 2, 0]))
+    assert cache.tail_k is tail_k and cache.graph_table()[0] is table
+    assert torch.equal(tail_k[:, :, :, :held], want_k) and torch.equal(tail_k[:, :, :, held:], room)
+    assert torch.equal(table, want_t) and torch.equal(table[:, : cache.num_blocks], cache.block_table())
+    cache.fork(0)
+    assert cache.tail_k is not tail_k and cache._graph_table is None and cache.batch_size == 4
+    cache.tables.check()
+
+
 def test_fork_and_free():
     cache = make()
     k, v = random_kv(2, 2, 40, 64)
@@ -323,7 +346,8 @@ TestCacheMachine.settings = settings(max_examples=40, stateful_step_count=25, de
 def test_graph_table_takes_seals_in_place_until_full(monkeypatch):
     """The table recorded steps read (`graph_table`): block_table()'s columns and room after
     them, the count on the device; seals write their columns into it in place while it has
-    room, and drop it when full or when rows change, so a new one (a new recording) follows.
+    room, and drop it when full; a reorder of as many rows moves its rows in place, fewer rows
+    or a crop drop it, so a new one (a new recording) follows.
     Within static_step, views give it with the count."""
     from longctx import cache as C
 
@@ -347,10 +371,13 @@ def test_graph_table_takes_seals_in_place_until_full(monkeypatch):
     assert c._graph_table is None and int(count) == 4
     again, count = c.graph_table()
     assert again is not table and again.shape == (2, 7) and int(count) == 5 and torch.equal(again[:, :5], c.block_table())
-    c.select_rows([1, 0])
+    row1 = again[1].clone()
+    c.select_rows([1, 0])  # (as many rows: its rows move in place)
+    assert c.graph_table()[0] is again and torch.equal(again[:, :5], c.block_table()) and torch.equal(again[0], row1)
+    c.free(0)  # (fewer rows: dropped)
     assert c._graph_table is None
     table, count = c.graph_table()
-    assert torch.equal(table[:, :5], c.block_table()) and torch.equal(table[0, :5], again[1, :5])
+    assert table.shape == (1, 7) and torch.equal(table[:, :5], c.block_table())
     c.crop(70)
     assert c._graph_table is None
 
