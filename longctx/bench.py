@@ -452,8 +452,9 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
 
     graphs: after each LongCtxCache's eager steps, `new_tokens` more from CUDA graphs
     (`GraphDecoder`, the same cache, `warmup` untimed steps first), a row of its own ("+ CUDA
-    graphs"; its prefill is the same cache's). Their time includes what a block's seal and the
-    new graph's recording cost, once every block_size tokens.
+    graphs"; its prefill is the same cache's). Their time includes what a block's seal costs
+    (one graph serves across seals) and any new recording (when the graph table fills or the
+    pools grow); their sealing share counts a step that records as sealing.
 
     compiled: also transformers' `StaticCache` with the decode step under
     `torch.compile(mode="reduce-overhead", fullgraph=True)` (CUDA graphs), the strongest stock
@@ -470,23 +471,44 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     model = llama3_8b_shaped(layers, context + 2 * (warmup + new_tokens) + 16, device)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
 
-    def decode(cache, tok, steps: int, marks: list | None = None):
-        """`steps` greedy tokens; with `marks`, appends (an event recorded at the step's start,
-        whether the step sealed) per step and one end event (sealed None)."""
+    def decode(cache, tok, steps: int, marks: list | None = None, decoder=None):
+        """`steps` greedy tokens, eager or from `decoder` (a GraphDecoder over `cache`); with
+        `marks`, appends (an event recorded at the step's start, whether the step sealed or
+        recorded a graph) per step and one end event (sealed None)."""
         paged = getattr(cache, "paged", None)
         for _ in range(steps):
-            seals = paged.seals if paged is not None else 0
+            before = (paged.seals if paged is not None else 0, decoder.recorded if decoder is not None else 0)
             if marks is not None:
                 marks.append([torch.cuda.Event(enable_timing=True), False])
                 marks[-1][0].record()
-            out = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache))
-            tok = out.logits[:, -1:].argmax(-1)
+            if decoder is not None:
+                decoder.step(tok)
+                tok = decoder.next_ids
+            else:
+                tok = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
             if marks is not None:
-                marks[-1][1] = paged is not None and paged.seals != seals
+                marks[-1][1] = paged is not None and (paged.seals, decoder.recorded if decoder is not None else 0) != before
         if marks is not None:
             marks.append([torch.cuda.Event(enable_timing=True), None])
             marks[-1][0].record()
         return tok
+
+    def timed(name, cache, tok, prefill_s: float, decoder=None):
+        """`warmup` untimed steps, then `new_tokens` timed ones: (the row, the last token)."""
+        tok = decode(cache, tok, warmup, decoder=decoder)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        marks: list = []
+        tok = decode(cache, tok, new_tokens, marks, decoder)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        row = E2ERow(name, context, prefill_s, (t2 - t1) / new_tokens * 1e3, torch.cuda.max_memory_allocated() / 2**30)
+        if isinstance(cache, LongCtxCache):
+            step_ms = [a[0].elapsed_time(b[0]) for a, b in zip(marks, marks[1:])]
+            row.seal_extra_ms, row.seal_pct = sealing_share(step_ms, [m[1] for m in marks[:-1]], cache.paged.block_size)
+        if progress is not None:
+            progress(row)
+        return row, tok
 
     def warm(make) -> None:
         """An untimed prefill of up to two chunks into a throwaway cache from `make`, so that the
@@ -515,49 +537,16 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
                 cache.paged.seal()
             torch.cuda.synchronize()
             prefill_s = time.perf_counter() - t0
-            tok = decode(cache, tok, warmup)
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            marks: list = []
-            tok = decode(cache, tok, new_tokens, marks)
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
-        row = E2ERow(name, context, prefill_s, (t2 - t1) / new_tokens * 1e3, torch.cuda.max_memory_allocated() / 2**30)
-        if isinstance(cache, LongCtxCache):
-            step_ms = [a[0].elapsed_time(b[0]) for a, b in zip(marks, marks[1:])]
-            row.seal_extra_ms, row.seal_pct = sealing_share(step_ms, [m[1] for m in marks[:-1]], cache.paged.block_size)
-        if progress is not None:
-            progress(row)
+            row, tok = timed(name, cache, tok, prefill_s)
         if not (graphs and isinstance(cache, LongCtxCache)):
             return [row]
         from .graphs import GraphDecoder
 
         with torch.inference_mode():
             decoder = GraphDecoder(model, cache)
-            for _ in range(warmup):
-                decoder.step(tok)
-                tok = decoder.next_ids
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            marks = []
-            for _ in range(new_tokens):
-                seals, records = cache.paged.seals, decoder.recorded
-                marks.append([torch.cuda.Event(enable_timing=True), False])
-                marks[-1][0].record()
-                decoder.step(tok)
-                tok = decoder.next_ids
-                marks[-1][1] = cache.paged.seals != seals or decoder.recorded != records
-            marks.append([torch.cuda.Event(enable_timing=True), None])
-            marks[-1][0].record()
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
-        graphed = E2ERow(f"{name} + CUDA graphs", context, prefill_s, (t2 - t1) / new_tokens * 1e3, torch.cuda.max_memory_allocated() / 2**30)
-        step_ms = [a[0].elapsed_time(b[0]) for a, b in zip(marks, marks[1:])]  # (a step that seals or records counts as sealing)
-        graphed.seal_extra_ms, graphed.seal_pct = sealing_share(step_ms, [m[1] for m in marks[:-1]], cache.paged.block_size)
+            graphed, tok = timed(f"{name} + CUDA graphs", cache, tok, prefill_s, decoder)
         graphed.recorded = decoder.recorded
         del decoder
-        if progress is not None:
-            progress(graphed)
         return [row, graphed]
 
     def run_static() -> E2ERow:
