@@ -154,8 +154,9 @@ def graph_decoding(model, input_ids, logits_processor, stopping_criteria, genera
     `GraphDecoder` where it serves (CUDA, the triton backend; left-padded rows too, their
     padding given to it as each row's start); elsewhere, and after a failed recording
     (warned once), they run eagerly, as generate's loop would. The cache then holds the
-    prompt and every new token but the last, as after generate's own loop. Beam search, assisted decoding and other inputs raise ValueError:
-    call generate without `custom_generate` for them."""
+    prompt and every new token but the last, as after generate's own loop. Beam search,
+    assisted decoding and other inputs raise ValueError: call generate without
+    `custom_generate` for them."""
     import dataclasses
 
     from transformers.generation.utils import GenerateDecoderOnlyOutput

@@ -63,7 +63,7 @@ class GraphDecoder:
         if start is not None:
             start = torch.as_tensor(start)
             n = cache.paged.seq_len()
-            if start.shape != (B,) or start.dtype.is_floating_point or bool((start < 0).any()) or bool((start > n).any()):
+            if start.shape != (B,) or start.dtype.is_floating_point or start.dtype == torch.bool or bool((start < 0).any()) or bool((start > n).any()):
                 raise ValueError(f"GraphDecoder: start must be integers [{B}] in 0..{n} (each row's padding), got {start.dtype} {tuple(start.shape)}: {start.tolist()}")
             if bool((start > 0).any()):
                 self.start = start.to(device=device, dtype=torch.int32, copy=True)
@@ -111,8 +111,8 @@ class GraphDecoder:
     def _current(self) -> tuple:
         """What the graph's next replay relies on: the tail lengths and rows, and (by
         identity) the tensors whose addresses it holds: the graph table (a seal writes into
-        it, or drops it when full; a row change drops it), the tails, the sinks and the pools
-        (replaced when they grow)."""
+        it, or drops it when full; a reorder moves its rows in place, a change of the row count
+        drops it), the tails, the sinks and the pools (replaced when they grow)."""
         paged = self.paged
         table = paged._graph_table[0] if paged._graph_table is not None else None
         pool = next(iter(paged.pages[0].tensors().values()))

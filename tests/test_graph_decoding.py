@@ -189,7 +189,7 @@ def test_graph_decoder_checks_its_start(model, monkeypatch):
     ids, _ = prompt(rows=2)
     cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
     prefill(model, cache, ids)
-    for bad in ([1], [0, 41], [-1, 0], [0.5, 0]):
+    for bad in ([1], [0, 41], [-1, 0], [0.5, 0], [True, False]):
         with pytest.raises(ValueError, match="start must be integers \\[2\\] in 0..40"):
             GraphDecoder(model, cache, start=torch.tensor(bad))
     assert GraphDecoder(model, cache, start=torch.tensor([0, 0])).start is None  # (no padding: the unmasked kernel)
