@@ -38,6 +38,9 @@ fi
 TAIL=6 stage generate 200 python3 scripts/diag_generate.py 4096 64
 # generate_b4: the same with a left-padded batch of 4 (graphs take each row's padding as its start)
 TAIL=8 stage generate_b4 240 python3 scripts/diag_generate.py 4096 64 4
+# generate_beams: beam search, 4 beams (generate's own prefills each beam's copy of the prompt)
+TAIL=8 stage generate_beams 240 python3 scripts/diag_generate.py 4096 64 1 4
+TAIL=8 stage generate_beams_32k 360 python3 scripts/diag_generate.py 32768 64 1 4
 # the e2e stages include StaticCache + torch.compile (~1 min of compiling each)
 TAIL=14 stage e2e_4k 240 python3 -m longctx bench e2e --context 4k --formats int4 --json "$OUT/e2e_4k.json"
 TAIL=14 stage e2e_32k 300 python3 -m longctx bench e2e --context 32k --formats int4 --json "$OUT/e2e_32k.json"

@@ -2,11 +2,13 @@
 `custom_generate=longctx.graph_decoding` (decode steps from CUDA graphs), on bench e2e's
 random Llama-3-8B-shaped model (bf16 weights, int4 KV).
 
-Usage (GPU machine, repo root): python3 scripts/diag_generate.py [CONTEXT] [NEW_TOKENS] [BATCH]
+Usage (GPU machine, repo root): python3 scripts/diag_generate.py [CONTEXT] [NEW_TOKENS] [BATCH] [BEAMS]
 BATCH > 1: a left-padded batch, row i padded by i * CONTEXT // (2 * BATCH) tokens.
+BEAMS > 1: beam search (generate's own prefills every beam's copy of the prompt, graph_decoding
+one a prompt).
 Each run is generate(max_new_tokens=1) (the prefill and one token) and then
 generate(max_new_tokens=1 + NEW_TOKENS) on a fresh cache; decode ms/token is the difference
-over NEW_TOKENS. Both greedy; the script prints whether their tokens agree.
+over NEW_TOKENS. Both greedy (or beams); the script prints whether their tokens agree.
 """
 import sys
 import time
@@ -19,29 +21,29 @@ from longctx.bench import llama3_8b_shaped
 from longctx.integrations.transformers import cache_kwargs
 
 
-def timed(model, ids, mask, new, custom):
+def timed(model, ids, mask, new, custom, beams=1):
     cache = LongCtxCache(model, KVConfig(bits=4))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0, custom_generate=custom,
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0, custom_generate=custom, num_beams=beams,
                              prefill_chunk_size=4096, **cache_kwargs(model, cache))
     torch.cuda.synchronize()
     cache.detach()
     return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
 
 
-def main(context=4096, new=64, batch=1):
+def main(context=4096, new=64, batch=1, beams=1):
     model = llama3_8b_shaped(32, context + new + 16)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0)).cuda()
     pads = torch.arange(batch) * (context // (2 * batch))
     mask = (torch.arange(context)[None, :] >= pads[:, None]).long().cuda()
-    print(f"batch {batch}, padding {pads.tolist()}")
+    print(f"batch {batch}, padding {pads.tolist()}, beams {beams}")
     toks = {}
     for name, custom in (("generate's loop", None), ("graph_decoding", graph_decoding)):
-        timed(model, ids, mask, 3, custom)  # warm-up: kernels compile, the first graph records
-        one, _ = timed(model, ids, mask, 1, custom)
-        many, toks[name] = timed(model, ids, mask, 1 + new, custom)
+        timed(model, ids, mask, 3, custom, beams)  # warm-up: kernels compile, the first graph records
+        one, _ = timed(model, ids, mask, 1, custom, beams)
+        many, toks[name] = timed(model, ids, mask, 1 + new, custom, beams)
         print(f"{name}: prefill + 1 token {one:.2f} s; decode {(many - one) / new * 1e3:.1f} ms/step over {new} steps", flush=True)
     for r, (a, b) in enumerate(zip(*toks.values())):
         print(f"row {r}: tokens equal {sum(x == y for x, y in zip(a, b))}/{len(a)}; first part at {next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)}")

@@ -199,6 +199,37 @@ def test_generate_with_graph_decoding_replays_graphs(pads, monkeypatch):
     assert torch.equal(eager.sequences, graphed.sequences)
 
 
+def test_beam_search_with_graph_decoding_replays_graphs(monkeypatch):
+    """Beam search through graph_decoding on CUDA: three beams for each of two left-padded
+    prompts, each step's reorder in place between replays, over several seals, with the
+    sequences, beam indices and logits of generate()'s own eager beam search."""
+    from longctx import graph_decoding
+    from longctx.graphs import GraphDecoder
+
+    model = tiny_llama(layers=3, heads=8, kv_heads=2, head_dim=64).to("cuda", torch.float32)
+    ids = torch.randint(3, 128, (2, 100), generator=torch.Generator().manual_seed(5)).cuda()
+    mask = (torch.arange(100)[None, :] >= torch.tensor([0, 7])[:, None]).long().cuda()
+    made = []
+    init = GraphDecoder.__init__
+    monkeypatch.setattr(GraphDecoder, "__init__", lambda self, *a, **k: (made.append(self), init(self, *a, **k))[1])
+    outs = []
+    for custom in (None, graph_decoding):
+        cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+        with torch.no_grad():
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, do_sample=False, num_beams=3, max_new_tokens=50, pad_token_id=0,
+                                       return_dict_in_generate=True, output_logits=True, output_scores=True, custom_generate=custom,
+                                       **cache_kwargs(model, cache)))
+        cache.detach()
+    eager, graphed = outs
+    (decoder,) = made
+    # the first step, then the pools' two growths (new addresses); every reorder and seal in place
+    # (the count the CPU stand-in of tests/test_graph_decoding.py gives for this run)
+    assert decoder.replayed == 49 and decoder.recorded == 3
+    a, b = torch.stack(eager.logits), torch.stack(graphed.logits)
+    assert (b - a).abs().max().item() <= 1e-3 * a.abs().max().item()
+    assert torch.equal(eager.sequences, graphed.sequences) and torch.equal(eager.beam_indices, graphed.beam_indices)
+
+
 def test_graph_decoder_follows_other_changes_to_the_cache():
     """Between replays the cache may change by other hands (a crop, an eager step, an
     interrupted step): the decoder notices and records anew rather than replaying stale
