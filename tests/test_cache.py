@@ -435,3 +435,62 @@ def test_static_step_writes_at_the_device_slot_and_restores_the_host_counts():
                            paged_attention(q, eager.view(0), start=torch.tensor([2], dtype=torch.int32), return_lse=False)[0])
     assert torch.equal(padded, paged_attention(q, eager.view(0), start=torch.tensor([5], dtype=torch.int32), return_lse=False)[0])
     assert not torch.equal(padded, eager.attend(0, q, return_lse=False)[0])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("kw", [dict(bits=4), dict(bits=8, sink_blocks=0), dict(bits=16), dict(bits=2, rotate=True)], ids=["int4", "int8-no-sink", "bits16", "int2+rot"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_repeated_rows_attend_their_shared_prefix_once(backend, kw, padded, monkeypatch):
+    """Rows repeated from one (select_rows' repeat: generate()'s copies of a prompt) keep
+    `shared`, through reorders within their runs and seals of their own blocks, and a decode
+    step attends the shared blocks once a run (the copies' queries as more query heads) and
+    the rest a row: the outputs and LSEs of attending every row whole, eagerly and with the
+    device lengths of a recorded step. A reorder across runs, a fork and a crop end or shorten
+    it."""
+    import longctx.cache as C
+
+    cfg = KVConfig(block_size=16, backend=backend, **kw)
+    cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=2, head_dim=32)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # (the triton backend: under the interpreter on the CPU)
+    k, v = random_kv(2, 2, 70, 32, seed=3)
+    cache.append(0, k.to(dev), v.to(dev))
+    cache.seal()
+    cache.select_rows([0, 0, 0, 1, 1, 1])
+    assert cache.shared == (3, 4)
+    g = torch.Generator().manual_seed(4)
+    for i in range(30):  # each copy its own tokens: two seals of blocks of their own
+        cache.append(0, torch.randn(6, 2, 1, 32, generator=g).to(dev), torch.randn(6, 2, 1, 32, generator=g).to(dev))
+        if cache.tail_len[0] == 16:
+            cache.seal()
+        if i == 12:
+            cache.reorder([2, 2, 0, 5, 3, 3])
+    assert cache.shared == (3, 4) and cache.num_blocks == 6 and cache.tables.rows[0][4] != cache.tables.rows[2][4]
+    q = torch.randn(6, 8, 1, 32, generator=g).to(dev)
+    start = torch.tensor([0, 0, 0, 21, 21, 21], dtype=torch.int32, device=dev) if padded else None
+    calls = []
+    real = C.paged_attention
+    monkeypatch.setattr(C, "paged_attention", lambda q, view, **a: (calls.append((tuple(q.shape), tuple(view.block_table.shape))), real(q, view, **a))[1])
+
+    def both():
+        monkeypatch.setattr(C, "SHARED_PASS_MIN_TOKENS", 10**9)
+        whole = cache.attend(0, q, start=start)
+        monkeypatch.setattr(C, "SHARED_PASS_MIN_TOKENS", 64)
+        return whole, cache.attend(0, q, start=start)
+
+    (o, lse), (o2, lse2) = both()
+    assert calls[1:] == [((2, 24, 1, 32), (2, 4)), ((6, 8, 1, 32), (6, 2))]  # the prefix once a run, then each row's rest
+    assert torch.allclose(o2, o, rtol=1e-5, atol=1e-5) and torch.allclose(lse2, lse, rtol=1e-5, atol=1e-5)
+    # a recorded step's view: the graph table (with room) and the device lengths
+    slot, length = torch.tensor([cache.tail_len[0]], device=dev), torch.tensor([cache.tail_len[0] + 1], dtype=torch.int32, device=dev)
+    with cache.static_step(slot, length, start):
+        cache.append(0, torch.randn(6, 2, 1, 32, generator=g).to(dev), torch.randn(6, 2, 1, 32, generator=g).to(dev))
+        (o, lse), (o2, lse2) = both()
+    assert torch.allclose(o2, o, rtol=1e-5, atol=1e-5) and torch.allclose(lse2, lse, rtol=1e-5, atol=1e-5)
+    cache.reorder([3, 1, 2, 0, 4, 5])  # rows 0 and 3 change runs
+    assert cache.shared is None
+    cache.select_rows([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5])
+    assert cache.shared == (2, 6)
+    cache.crop(70)
+    assert cache.shared == (2, 4)
+    cache.fork(0)
+    assert cache.shared is None
