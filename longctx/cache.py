@@ -25,6 +25,7 @@ from .allocator import BlockAllocator, BlockTables
 from .config import KVConfig
 from .errors import CacheFullError
 from .memory import MemoryReport, memory_report
+from .ops.backend import resolve_backend
 from .ops.gather_dequant import gather_dequant
 from .ops.paged_attention import paged_attention
 from .ops.paged_attention.reference import merge_partials
@@ -479,7 +480,8 @@ class PagedKVCache:
             start = self._static[2]
         view = self.view(layer)
         copies, n = self.shared or (1, 0)
-        if copies == 1 or q.shape[2] != 1 or n * self.block_size < SHARED_PASS_MIN_TOKENS or n < self.config.sink_blocks:
+        if (copies == 1 or q.shape[2] != 1 or n * self.block_size < SHARED_PASS_MIN_TOKENS or n < self.config.sink_blocks
+                or resolve_backend(self.config.backend, q, self.head_dim) not in ("triton", "reference")):  # (the passes' backends)
             return paged_attention(q, view, start=start, scale=scale, backend=self.config.backend, return_lse=return_lse)
         return self._attend_shared(q, view, start, scale, return_lse, copies, n)
 
