@@ -25,10 +25,8 @@ from .allocator import BlockAllocator, BlockTables
 from .config import KVConfig
 from .errors import CacheFullError
 from .memory import MemoryReport, memory_report
-from .ops.backend import resolve_backend
 from .ops.gather_dequant import gather_dequant
 from .ops.paged_attention import paged_attention
-from .ops.paged_attention.reference import merge_partials
 from .ops.pages import Pages, PagedView
 from .ops.quantize_blocks import quantize_blocks_into
 from .quant import BlockFormat
@@ -39,10 +37,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # 64-token blocks at short contexts, every 1/16 of the context at long ones), and its plan is
 # made for the full width
 GRAPH_ROOM = (16, 16)
-# Decode steps of rows made by repeating rows (beams, returned sequences) attend their shared
-# prefix once for all the copies where it holds at least this many tokens (`attend`): below it
-# the second launch and the merge cost more than the prefix's repeated reads save.
-SHARED_PASS_MIN_TOKENS = 8192
 
 
 def _index(values, device, dtype=torch.int64) -> torch.Tensor:
@@ -94,11 +88,6 @@ class PagedKVCache:
         # (table [B, width] with room, its block count int32 [1]) on the device, for recorded
         # steps (`graph_table`): seals write their columns in place while there is room
         self._graph_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        # (copies, blocks): rows in runs of `copies` that hold the same first `blocks` blocks,
-        # made by repeating each row (`select_rows`); reorders within the runs keep it, and
-        # seals extend it up to the blocks the copies held when made (`_shared_cap`)
-        self.shared: tuple[int, int] | None = None
-        self._shared_cap = 0
 
     # ------------------------------------------------------------------ state
     @property
@@ -362,8 +351,6 @@ class PagedKVCache:
             self.tail_v[:, :, :, :rest] = self.tail_v[:, :, :, n * P : T0].clone()
         self.tail_len = [rest] * self.num_layers
         self.seals += n_sink_new + n_quant_new
-        if self.shared is not None and self.shared[1] < self._shared_cap:  # the copies' blocks sealed now, if shared
-            self.shared = (self.shared[0], self._common_blocks(*self.shared))
         old, self._table_tensor = self._table_tensor, None
         if old is not None and tuple(old.shape) == (len(self.tables.rows), nb0):  # append the n new columns
             new = _index([row[nb0:] for row in self.tables.rows], self.device, torch.int32).reshape(len(self.tables.rows), n)
@@ -470,40 +457,10 @@ class PagedKVCache:
     def attend(self, layer: int, q: torch.Tensor, start: torch.Tensor | None = None, scale: float | None = None, return_lse: bool = True):
         """Attention of q [B, H_q, C, D] (the last C tokens of `layer`) over this layer's
         pages and tail: (out [B, H_q, C, D], lse [B, H_q, C]). start: each row's first
-        attended position (None: 0, or within `static_step` the start it was given).
-
-        Decode steps of rows repeated from one (`shared`: beams, returned sequences) read the
-        blocks they share once for all the copies, where those hold SHARED_PASS_MIN_TOKENS or
-        more: one pass over them with each copy's queries as more query heads of their KV head,
-        one pass a row over the rest and the tail, and the two merged by their LSEs."""
+        attended position (None: 0, or within `static_step` the start it was given)."""
         if start is None and self._static is not None:
             start = self._static[2]
-        view = self.view(layer)
-        copies, n = self.shared or (1, 0)
-        if (copies == 1 or q.shape[2] != 1 or n * self.block_size < SHARED_PASS_MIN_TOKENS or n < self.config.sink_blocks
-                or resolve_backend(self.config.backend, q, self.head_dim) not in ("triton", "reference")):  # (the passes' backends)
-            return paged_attention(q, view, start=start, scale=scale, backend=self.config.backend, return_lse=return_lse)
-        return self._attend_shared(q, view, start, scale, return_lse, copies, n)
-
-    def _attend_shared(self, q: torch.Tensor, view: PagedView, start, scale, return_lse: bool, copies: int, n: int):
-        """`attend`'s decode step over rows in runs of `copies` whose first n blocks are the
-        same blocks: those once a run, the copies' queries stacked as the query heads of
-        their KV head (G copies x G_q heads), then each row's own blocks and tail."""
-        B, Hq, _, D = q.shape
-        H, runs = self.num_kv_heads, B // copies
-        gq = Hq // H
-        prefix = PagedView(view.pages, view.sink_k, view.sink_v, view.block_table[::copies, :n], min(self.config.sink_blocks, n),
-                           view.tail_k[::copies, :, :0], view.tail_v[::copies, :, :0])
-        qs = q.reshape(runs, copies, H, gq, 1, D).transpose(1, 2).reshape(runs, H * copies * gq, 1, D)
-        o1, l1 = paged_attention(qs, prefix, start=None if start is None else start[::copies].contiguous(), scale=scale, backend=self.config.backend)
-        o1 = o1.reshape(runs, H, copies, gq, 1, D).transpose(1, 2).reshape(B, Hq, 1, D)
-        l1 = l1.reshape(runs, H, copies, gq, 1).transpose(1, 2).reshape(B, Hq, 1)
-        rest = PagedView(view.pages, view.sink_k, view.sink_v, view.block_table[:, n:], 0, view.tail_k, view.tail_v, view.tail_len,
-                         None if view.n_blocks is None else view.n_blocks - n)
-        after = None if start is None else (start - n * self.block_size).clamp(min=0)  # (padding lies in the prefix)
-        o2, l2 = paged_attention(q, rest, start=after, scale=scale, backend=self.config.backend)
-        out, lse = merge_partials([(o1, l1), (o2, l2)])
-        return out.to(q.dtype), lse if return_lse else None
+        return paged_attention(q, self.view(layer), start=start, scale=scale, backend=self.config.backend, return_lse=return_lse)
 
     def dense(self, layer: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """All of `layer`'s keys and values, dequantized: [B, H_kv, seq_len(layer), D]."""
@@ -524,9 +481,7 @@ class PagedKVCache:
         idx = torch.as_tensor(indices, dtype=torch.long).flatten()
         if idx.numel() == self.batch_size and torch.equal(idx.cpu(), torch.arange(self.batch_size)):
             return
-        picked = idx.tolist()
-        self.shared = self._shared_after(picked)
-        self.tables.select(picked)
+        self.tables.select(idx.tolist())
         idx = idx.to(self.device)
         self._table_tensor = None
         if idx.numel() == self.tail_k.shape[1]:  # as many rows (beams each step): in place, the tokens the tails hold only
@@ -541,30 +496,6 @@ class PagedKVCache:
         self.tail_k = self.tail_k.index_select(1, idx)
         self.tail_v = self.tail_v.index_select(1, idx)
         self._graph_table = None
-
-    def _shared_after(self, picked: list[int]) -> tuple[int, int] | None:
-        """`shared` once rows become rows[picked]: each row repeated k > 1 times in a row
-        (generate()'s copies of a prompt) makes runs of k over all sealed blocks; a pick of as
-        many rows within each run (a beam step's reorder) keeps the runs; anything else ends
-        them."""
-        B, k = self.batch_size, len(picked) // max(1, self.batch_size)
-        if k > 1 and len(picked) == B * k and picked == [r for r in range(B) for _ in range(k)]:
-            self._shared_cap = self.seq_len() // self.block_size  # (the tails' full blocks too: sealed alike, they are shared)
-            return (k, self.num_blocks)
-        if self.shared is not None and len(picked) == B:
-            copies = self.shared[0]
-            if all(p // copies == r // copies for r, p in enumerate(picked)):
-                return self.shared
-        return None
-
-    def _common_blocks(self, copies: int, known: int) -> int:
-        """The leading blocks every run of `copies` rows holds in common (the same ids), from
-        `known` (already so) up to `_shared_cap`."""
-        rows, n = self.tables.rows, known
-        limit = min(self._shared_cap, self.num_blocks)
-        while n < limit and all(rows[r][n] == rows[r - r % copies][n] for r in range(len(rows))):
-            n += 1
-        return n
 
     def reorder(self, beam_idx) -> None:
         self.select_rows(beam_idx)
@@ -603,8 +534,6 @@ class PagedKVCache:
                 self.tail_k[l, :, :, :keep] = k[:, :, keep_blocks * P : max_len]
                 self.tail_v[l, :, :, :keep] = v[:, :, keep_blocks * P : max_len]
         self.tables.truncate(keep_blocks)
-        if self.shared is not None and keep_blocks < self.shared[1]:
-            self.shared = (self.shared[0], keep_blocks) if keep_blocks else None
         self.tail_len = [keep] * self.num_layers
         self._table_tensor = None
         self._graph_table = None
@@ -612,7 +541,6 @@ class PagedKVCache:
     def reset(self) -> None:
         """Drop every row and token; pools keep their memory for reuse."""
         self.tables.clear()
-        self.shared = None
         self.tail_len = [0] * self.num_layers
         self._table_tensor = None
         self._graph_table = None

@@ -109,15 +109,14 @@ class GraphDecoder:
         return None
 
     def _current(self) -> tuple:
-        """What the graph's next replay relies on: the tail lengths, rows and shared prefix
-        (`PagedKVCache.shared`, which decides the step's attention passes), and (by
+        """What the graph's next replay relies on: the tail lengths and rows, and (by
         identity) the tensors whose addresses it holds: the graph table (a seal writes into
         it, or drops it when full; a reorder moves its rows in place, a change of the row count
         drops it), the tails, the sinks and the pools (replaced when they grow)."""
         paged = self.paged
         table = paged._graph_table[0] if paged._graph_table is not None else None
         pool = next(iter(paged.pages[0].tensors().values()))
-        return (tuple(paged.tail_len), paged.batch_size, paged.shared), (table, paged.tail_k, paged.sink_k, pool)
+        return (tuple(paged.tail_len), paged.batch_size), (table, paged.tail_k, paged.sink_k, pool)
 
     def _stale(self) -> bool:
         if self.graph is None or self._state is None:

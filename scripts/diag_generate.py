@@ -5,8 +5,7 @@ random Llama-3-8B-shaped model (bf16 weights, int4 KV).
 Usage (GPU machine, repo root): python3 scripts/diag_generate.py [CONTEXT] [NEW_TOKENS] [BATCH] [BEAMS]
 BATCH > 1: a left-padded batch, row i padded by i * CONTEXT // (2 * BATCH) tokens.
 BEAMS > 1: beam search (generate's own prefills every beam's copy of the prompt, graph_decoding
-one a prompt). --ours: graph_decoding only. --whole-rows: graph_decoding again with the
-shared-prefix pass off (each beam's row read whole), to compare.
+one a prompt).
 Each run is generate(max_new_tokens=1) (the prefill and one token) and then
 generate(max_new_tokens=1 + NEW_TOKENS) on a fresh cache; decode ms/token is the difference
 over NEW_TOKENS. Both greedy (or beams); the script prints whether their tokens agree.
@@ -34,31 +33,21 @@ def timed(model, ids, mask, new, custom, beams=1):
     return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
 
 
-def main(context=4096, new=64, batch=1, beams=1, ours=False, whole_rows=False):
-    import longctx.cache as C
-
+def main(context=4096, new=64, batch=1, beams=1):
     model = llama3_8b_shaped(32, context + new + 16)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0)).cuda()
     pads = torch.arange(batch) * (context // (2 * batch))
     mask = (torch.arange(context)[None, :] >= pads[:, None]).long().cuda()
     print(f"batch {batch}, padding {pads.tolist()}, beams {beams}")
     toks = {}
-    runs = ([] if ours else [("generate's loop", None, C.SHARED_PASS_MIN_TOKENS)]) + [("graph_decoding", graph_decoding, C.SHARED_PASS_MIN_TOKENS)]
-    if whole_rows:
-        runs.append(("graph_decoding, whole rows", graph_decoding, 1 << 62))
-    for name, custom, shared_min in runs:
-        C.SHARED_PASS_MIN_TOKENS = shared_min
+    for name, custom in (("generate's loop", None), ("graph_decoding", graph_decoding)):
         timed(model, ids, mask, 3, custom, beams)  # warm-up: kernels compile, the first graph records
         one, _ = timed(model, ids, mask, 1, custom, beams)
         many, toks[name] = timed(model, ids, mask, 1 + new, custom, beams)
         print(f"{name}: prefill + 1 token {one:.2f} s; decode {(many - one) / new * 1e3:.1f} ms/step over {new} steps", flush=True)
-    names = list(toks)
-    for other in names[1:]:
-        for r, (a, b) in enumerate(zip(toks[names[0]], toks[other])):
-            print(f"{names[0]} / {other}, row {r}: tokens equal {sum(x == y for x, y in zip(a, b))}/{len(a)}; "
-                  f"first part at {next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)}")
+    for r, (a, b) in enumerate(zip(*toks.values())):
+        print(f"row {r}: tokens equal {sum(x == y for x, y in zip(a, b))}/{len(a)}; first part at {next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)}")
 
 
 if __name__ == "__main__":
-    flags = {a for a in sys.argv[1:] if a.startswith("--")}
-    main(*(int(a) for a in sys.argv[1:] if not a.startswith("--")), ours="--ours" in flags, whole_rows="--whole-rows" in flags)
+    main(*(int(a) for a in sys.argv[1:]))

@@ -199,19 +199,12 @@ def test_generate_with_graph_decoding_replays_graphs(pads, monkeypatch):
     assert torch.equal(eager.sequences, graphed.sequences)
 
 
-@pytest.mark.parametrize("shared_pass", [False, True], ids=["whole-rows", "shared-prefix-pass"])
-def test_beam_search_with_graph_decoding_replays_graphs(shared_pass, monkeypatch):
+def test_beam_search_with_graph_decoding_replays_graphs(monkeypatch):
     """Beam search through graph_decoding on CUDA: three beams for each of two left-padded
     prompts, each step's reorder in place between replays, over several seals, with the
-    sequences, beam indices and logits of generate()'s own eager beam search; also with the
-    prompt's blocks read once for its beams (the shared-prefix pass, its threshold lowered
-    to the prompt's 6 blocks)."""
-    import longctx.cache as C
+    sequences, beam indices and logits of generate()'s own eager beam search."""
     from longctx import graph_decoding
     from longctx.graphs import GraphDecoder
-
-    if shared_pass:
-        monkeypatch.setattr(C, "SHARED_PASS_MIN_TOKENS", 64)
 
     model = tiny_llama(layers=3, heads=8, kv_heads=2, head_dim=64).to("cuda", torch.float32)
     ids = torch.randint(3, 128, (2, 100), generator=torch.Generator().manual_seed(5)).cuda()
@@ -231,7 +224,7 @@ def test_beam_search_with_graph_decoding_replays_graphs(shared_pass, monkeypatch
     (decoder,) = made
     # the first step, then the pools' two growths (new addresses); every reorder and seal in place
     # (the count the CPU stand-in of tests/test_graph_decoding.py gives for this run)
-    assert decoder.replayed == 49 and decoder.recorded == 3 and decoder.paged.shared == (3, 6)
+    assert decoder.replayed == 49 and decoder.recorded == 3
     a, b = torch.stack(eager.logits), torch.stack(graphed.logits)
     assert (b - a).abs().max().item() <= 1e-3 * a.abs().max().item()
     assert torch.equal(eager.sequences, graphed.sequences) and torch.equal(eager.beam_indices, graphed.beam_indices)

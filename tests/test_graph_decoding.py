@@ -306,21 +306,11 @@ def test_left_padded_batch_steps_from_graphs(model, kv, records, monkeypatch):
 
 
 @pytest.mark.parametrize("kv", [dict(bits=4, block_size=16, max_blocks=64), dict(bits=16, block_size=16, max_blocks=64)], ids=["int4", "bits16"])
-@pytest.mark.parametrize("shared_pass", [False, True], ids=["whole-rows", "shared-prefix-pass"])
-def test_beam_search_steps_from_graphs(model, kv, shared_pass, monkeypatch):
+def test_beam_search_steps_from_graphs(model, kv, monkeypatch):
     """Beam search through GraphDecoder (replays run eagerly here), a left-padded batch of
     two prompts, three beams each, over two seals: every step's reorder moves the cache's rows
     in place (tails and the graph table's rows), so one recording serves all 29 steps, and
-    the sequences, beam indices and logits are generate()'s own beam search's. With the
-    shared-prefix pass on (its threshold lowered to the prompt's two blocks), each step reads
-    the prompt's blocks once for a prompt's beams: the same results, to rounding."""
-    import longctx.cache as C
-
-    if shared_pass:
-        monkeypatch.setattr(C, "SHARED_PASS_MIN_TOKENS", 32)
-    passes = []
-    shared = C.PagedKVCache._attend_shared
-    monkeypatch.setattr(C.PagedKVCache, "_attend_shared", lambda self, *a: (passes.append(1), shared(self, *a))[1])
+    the sequences, beam indices and logits are generate()'s own beam search's."""
     made = replays_run_eagerly(monkeypatch)
     ids, mask = prompt(rows=2, pad=6)
     (a, _), (b, cb) = both(model, ids, mask, kv=kv, do_sample=False, num_beams=3, max_new_tokens=30, return_dict_in_generate=True,
@@ -328,7 +318,6 @@ def test_beam_search_steps_from_graphs(model, kv, shared_pass, monkeypatch):
     (decoder,) = made
     assert decoder.start.tolist() == [0, 0, 0, 6, 6, 6] and decoder.replayed == 29 and decoder.recorded == 1
     assert cb.paged.seals > 0 and cb.paged.num_blocks == 4
-    assert cb.paged.shared == (3, 2) and len(passes) == (29 * 2 if shared_pass else 0)  # (2 layers a step)
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.beam_indices, b.beam_indices)
     for x, y in zip(a.logits, b.logits, strict=True):
         assert torch.allclose(x, y, rtol=1e-5, atol=1e-4)

@@ -1069,12 +1069,13 @@ def test_prefill_path(monkeypatch):
 def test_a_strided_start_is_read_by_row(C):
     """`start` taken as a view with a stride (every other row of a longer tensor): the
     kernels read row b's first position at start + b, so the call makes it contiguous."""
-    cfg = KVConfig(bits=4, block_size=16)
+    cfg = KVConfig(bits=4, block_size=16)  # (the cache is filled on the CPU; attention runs on DEVICE)
     cache, _, _ = fill(cfg, 3, 90, C, 2, 64)
+    view = _to(cache.view(0), DEVICE)
     q = torch.randn(3, 8, C, 64, generator=torch.Generator().manual_seed(2))
     wide = torch.tensor([0, 99, 17, 99, 40, 99], dtype=torch.int32)
-    out, lse = paged_attention(q, cache.view(0), start=wide[::2], backend="triton")
-    want, want_lse = paged_attention(q, cache.view(0), start=wide[::2].contiguous(), backend="triton")
+    out, lse = paged_attention(q.to(DEVICE), view, start=wide.to(DEVICE)[::2], backend="triton")
+    want, want_lse = paged_attention(q.to(DEVICE), view, start=wide[::2].contiguous().to(DEVICE), backend="triton")
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     ref, ref_lse = paged_attention(q, cache.view(0), start=wide[::2].contiguous(), backend="reference")
-    assert torch.allclose(out, ref, atol=1e-4) and torch.allclose(lse, ref_lse, atol=1e-4)
+    assert torch.allclose(out.cpu(), ref, atol=1e-4) and torch.allclose(lse.cpu(), ref_lse, atol=1e-4)

@@ -34,10 +34,7 @@ def paged_attention(
 
     q:     [B, H_q, C, D], H_q a multiple of H_kv (GQA). Query i sits at position
            view.total_len - C + i and sees keys at positions start[b] .. its own (causal).
-    view:  sinks + sealed pages + tail (the tail holds at least the C new tokens; for one
-           query it may be empty, over sealed blocks only: the query then sees all of them,
-           as a part of a longer sequence whose rest another pass attends, see
-           `PagedKVCache.attend`).
+    view:  sinks + sealed pages + tail (the tail holds at least the C new tokens).
     start: int [B], first non-padding position of each row (left padding); None = 0.
     scale: softmax scale, default D**-0.5.
     Returns out [B, H_q, C, D] in q.dtype and lse [B, H_q, C] fp32 (natural log; -inf and a
@@ -53,7 +50,7 @@ def paged_attention(
     Hkv = tk.shape[1]
     if Hq % Hkv:
         raise ValueError(f"paged_attention: H_q={Hq} is not a multiple of H_kv={Hkv}")
-    if C > tk.shape[2] and not (C == 1 and tk.shape[2] == 0 and view.tail_len is None and view.block_table.shape[1] > 0):
+    if C > tk.shape[2]:
         raise ValueError(f"paged_attention: {C} queries but only {tk.shape[2]} tokens in the tail; append them first")
     if view.block_table.shape[0] != B:
         raise ValueError(f"paged_attention: block_table {tuple(view.block_table.shape)} has a different batch than q {tuple(q.shape)}")
