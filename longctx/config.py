@@ -55,7 +55,7 @@ class KVConfig:
                  (FlexAttention over 16-bit pages only, for comparison), "flash" (the past
                  dequantized into bf16 pages in bounded slices, then flash-attn's paged
                  kernel; needs flash-attn), or "auto": triton on CUDA when it imports and
-                 the head_dim is a power of two, else reference.
+                 the head_dim is a power of two of at least 64, else reference.
     """
 
     bits: int = 4

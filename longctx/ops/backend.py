@@ -12,11 +12,13 @@ from ..errors import BackendUnavailableError
 
 def resolve_backend(backend: str, q: torch.Tensor, head_dim: int | None = None, storage: bool = False) -> str:
     """"auto" -> "triton" for CUDA tensors when triton imports and the kernels serve the
-    shape (a power-of-two head_dim: their tiles are powers of two), else "reference".
+    shape (a power-of-two head_dim of at least 64: their tiles are powers of two, and at 32
+    the 4- and 2-bit decode loops' dots and the 2-bit rotated gather do not compile on an H200,
+    `scripts/diag_dim32.py`), else "reference".
     storage: the op stores or reads pages for the cache (sealing, gathering) rather than
     attending; "flex" and "flash" are attention backends only, so those ops take "auto"'s
     choice."""
-    shape_ok = head_dim is None or (head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+    shape_ok = head_dim is None or (head_dim >= 64 and head_dim & (head_dim - 1) == 0)
     if storage and backend in ("flex", "flash"):
         backend = "auto"
     match backend:
@@ -26,7 +28,7 @@ def resolve_backend(backend: str, q: torch.Tensor, head_dim: int | None = None, 
             return "reference"
         case "triton":
             if not shape_ok:
-                raise BackendUnavailableError(f"backend 'triton' needs a power-of-two head_dim >= 16, got {head_dim}; use 'reference' (or 'auto')")
+                raise BackendUnavailableError(f"backend 'triton' needs a power-of-two head_dim >= 64, got {head_dim}; use 'reference' (or 'auto')")
             if not triton_available():
                 raise BackendUnavailableError("backend 'triton' needs the triton package: pip install 'longctx[gpu]'")
             if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
