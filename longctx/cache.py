@@ -479,9 +479,10 @@ class PagedKVCache:
         if not self.initialized or self.batch_size == 0:
             return
         idx = torch.as_tensor(indices, dtype=torch.long).flatten()
-        if idx.numel() == self.batch_size and torch.equal(idx.cpu(), torch.arange(self.batch_size)):
+        picked = idx.tolist()  # (one read back where the indices are on the device: beam search's, every step)
+        if picked == list(range(self.batch_size)):
             return
-        self.tables.select(idx.tolist())
+        self.tables.select(picked)
         idx = idx.to(self.device)
         self._table_tensor = None
         if idx.numel() == self.tail_k.shape[1]:  # as many rows (beams each step): in place, the tokens the tails hold only

@@ -340,10 +340,10 @@ def _beam_search(input_ids: torch.Tensor, logits: torch.Tensor, step: _Steps, ca
     cur = T
     while True:
         logp = logits_processor(seqs[:, :, :cur].reshape(BK, cur), torch.log_softmax(logits, dim=-1))
-        if raw is not None:
-            raw += (logits.clone(),)
+        if raw is not None:  # (both are this step's own tensors, not written after)
+            raw += (logits,)
         if scores is not None:
-            scores += (logp.clone(),)
+            scores += (logp,)
         total = (logp.view(B, K, V) + score[:, :, None]).view(B, K * V)
         if gc.do_sample:  # n_cand draws without replacement, best first
             drawn = torch.multinomial(torch.softmax(total, dim=-1), num_samples=n_cand)
