@@ -125,6 +125,10 @@ class BlockTables:
         self.blocks = blocks
         self.sink_blocks = sink_blocks
         self.rows: list[list[int]] = []
+        # leading logical blocks that every row holds alike (the same ids): a prompt's blocks
+        # under its beams. A reorder leaves their references as they are (`select`), so a
+        # beam step costs the blocks the beams do not share, not the whole context.
+        self._common = 0
 
     def allocator_for(self, logical: int) -> BlockAllocator:
         return self.sinks if logical < self.sink_blocks else self.blocks
@@ -144,6 +148,7 @@ class BlockTables:
             raise ValueError(f"table has {len(self.rows)} rows, asked for {n}")
         if not self.rows:
             self.rows = [[] for _ in range(n)]
+            self._common = 0
 
     def push(self, groups: Sequence[Sequence[int]], ids: Sequence[int]) -> None:
         """Append block ids[g] to every row in groups[g]. Each id arrives with the one
@@ -160,20 +165,49 @@ class BlockTables:
                 if k:
                     alloc.incref(bid)
                 self.rows[r].append(bid)
+        if self._common == logical and len(groups) == 1:
+            self._common += 1
 
     def select(self, indices: Iterable[int]) -> None:
         """New rows are copies of rows[indices] (reorder, fork, drop, repeat): references
-        are taken for the new table before the old one lets go, so shared blocks survive."""
+        are taken for the new table before the old one lets go, so shared blocks survive.
+
+        Only the references that change are counted: the leading blocks all rows hold alike
+        gain or lose one a row added or dropped (none in a reorder), and the rest by how many
+        rows hold them before and after. A beam step at 128k (2,048 blocks a row) counts the
+        few blocks its beams do not share rather than every entry of the table."""
         indices = list(indices)
         for i in indices:
             if not 0 <= i < self.num_rows:
                 raise IndexError(f"row {i} out of range for {self.num_rows} rows")
-        new_rows = [list(self.rows[i]) for i in indices]
-        for row in new_rows:
-            for j, bid in enumerate(row):
-                self.allocator_for(j).incref(bid)
-        self._release(self.rows)
+        old, c = self.rows, self._common
+        new_rows = [list(old[i]) for i in indices]
+        change: Counter = Counter()  # (allocator is the sinks', id) -> references gained (lost: < 0)
+        if len(new_rows) != len(old):
+            for j, bid in enumerate(old[0][:c]):
+                change[j < self.sink_blocks, bid] += len(new_rows) - len(old)
+        for rows, sign in ((new_rows, 1), (old, -1)):
+            for row in rows:
+                for j in range(c, len(row)):
+                    change[j < self.sink_blocks, row[j]] += sign
+        for key, n in sorted(change.items(), key=lambda kv: -kv[1]):  # (gains before losses)
+            alloc = self.sinks if key[0] else self.blocks
+            for _ in range(abs(n)):
+                if n > 0:
+                    alloc.incref(key[1])
+                else:
+                    alloc.decref(key[1])
         self.rows = new_rows
+        self._common = self._common_from(c if new_rows else 0)
+
+    def _common_from(self, c: int) -> int:
+        """The leading blocks all rows hold alike, knowing that the first c are."""
+        if not self.rows:
+            return 0
+        r0 = self.rows[0]
+        while c < len(r0) and all(r[c] == r0[c] for r in self.rows):
+            c += 1
+        return c
 
     def truncate(self, n_blocks: int) -> None:
         """Keep the first `n_blocks` logical blocks of every row."""
@@ -184,10 +218,12 @@ class BlockTables:
             for j, bid in enumerate(gone, start=n_blocks):
                 self.allocator_for(j).decref(bid)
             del row[n_blocks:]
+        self._common = min(self._common, n_blocks)
 
     def clear(self) -> None:
         self._release(self.rows)
         self.rows = []
+        self._common = 0
 
     def _release(self, rows: list[list[int]]) -> None:
         for row in rows:
@@ -203,7 +239,10 @@ class BlockTables:
         return sink_ids, block_ids
 
     def check(self) -> None:
-        """Raise AssertionError unless every refcount equals the entries holding it."""
+        """Raise AssertionError unless every refcount equals the entries holding it, and the
+        blocks all rows hold alike are as many as recorded."""
+        common = self._common_from(0)
+        assert self._common == common, f"{self._common} leading blocks recorded as held by every row, {common} are"
         for alloc, lo, hi in ((self.sinks, 0, self.sink_blocks), (self.blocks, self.sink_blocks, None)):
             held = Counter(bid for row in self.rows for bid in row[lo:hi])
             for bid in range(alloc.capacity):
