@@ -336,3 +336,27 @@ def test_flex_backend_on_gpu_matches_reference(C, P):
     assert (out.float() - ref.float()).abs().max() < 2e-2 and (lse - ref_lse).abs().max() < 1e-2
     out_np, _ = paged_attention(q, cache.view(0), backend="flex")
     assert (out_np.float() - ref.float()).abs().max() > 2e-2  # the padding matters at these sizes
+
+
+@pytest.mark.parametrize("fmt", [dict(bits=4), dict(bits=2, rotate=True), dict(bits=8)])
+def test_head_dim_32_takes_the_reference_path(fmt):
+    """At head_dim 32 the 4- and 2-bit decode kernels do not compile on an H200
+    (scripts/diag_dim32.py): "auto" takes the reference path there, and generate() runs with
+    the tokens and cache of an explicit "reference"; an explicit "triton" says why not."""
+    from longctx.errors import BackendUnavailableError
+    from longctx.ops.backend import resolve_backend
+
+    model = tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=32).to("cuda", torch.float32)
+    ids = torch.randint(3, 128, (2, 150), generator=torch.Generator().manual_seed(3)).cuda()
+    q = torch.zeros(1, 4, 1, 32, device="cuda")
+    assert resolve_backend("auto", q, 32) == "reference" and resolve_backend("auto", torch.zeros(1, 4, 1, 64, device="cuda"), 64) == "triton"
+    with pytest.raises(BackendUnavailableError, match="head_dim >= 64"):
+        resolve_backend("triton", q, 32)
+    outs = []
+    for backend in ("auto", "reference"):
+        cache = LongCtxCache(model, KVConfig(block_size=16, backend=backend, **fmt))
+        with torch.no_grad():
+            outs.append(model.generate(input_ids=ids, max_new_tokens=40, do_sample=False, pad_token_id=0, **cache_kwargs(model, cache)))
+        cache.detach()
+        assert cache.paged.seals > 0 and cache.paged.device.type == "cuda"
+    assert torch.equal(*outs)
