@@ -341,8 +341,9 @@ def test_flex_backend_on_gpu_matches_reference(C, P):
 @pytest.mark.parametrize("fmt", [dict(bits=4), dict(bits=2, rotate=True), dict(bits=8)])
 def test_head_dim_32_takes_the_reference_path(fmt):
     """At head_dim 32 the 4- and 2-bit decode kernels do not compile on an H200
-    (scripts/diag_dim32.py): "auto" takes the reference path there, and generate() runs with
-    the tokens and cache of an explicit "reference"; an explicit "triton" says why not."""
+    (scripts/diag_dim32.py): "auto" takes the reference path there, and generate() gives the
+    tokens of an explicit "reference" (after seals, on the GPU); an explicit "triton" says why
+    not."""
     from longctx.errors import BackendUnavailableError
     from longctx.ops.backend import resolve_backend
 
