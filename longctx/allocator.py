@@ -142,6 +142,11 @@ class BlockTables:
         """Logical blocks per row."""
         return len(self.rows[0]) if self.rows else 0
 
+    @property
+    def shared_blocks(self) -> int:
+        """Leading logical blocks every row holds alike (the same ids)."""
+        return self._common
+
     def ensure_rows(self, n: int) -> None:
         """Start `n` empty rows (only when the table is empty)."""
         if self.rows and len(self.rows) != n:

@@ -452,6 +452,7 @@ class PagedKVCache:
             tail_v=self.tail_v[layer, :, :, :t],
             tail_len=self._static[1] if static else None,
             n_blocks=count,
+            shared=self.tables.shared_blocks,
         )
 
     def attend(self, layer: int, q: torch.Tensor, start: torch.Tensor | None = None, scale: float | None = None, return_lse: bool = True):

@@ -230,6 +230,36 @@ def test_beam_search_with_graph_decoding_replays_graphs(monkeypatch):
     assert torch.equal(eager.sequences, graphed.sequences) and torch.equal(eager.beam_indices, graphed.beam_indices)
 
 
+def test_beams_read_their_prompt_once_through_graphs(monkeypatch):
+    """Four beams over one left-padded prompt through graph_decoding, with the prompt's blocks
+    read once for each group of beams (TUNE["shared_from"] lowered to one block, so that this
+    short prompt takes the shared launch): the sequences, beam indices and logits of
+    generate()'s own eager beam search reading whole rows."""
+    from longctx import graph_decoding
+    from longctx.ops.paged_attention import triton as K
+
+    model = tiny_llama(layers=3, heads=8, kv_heads=2, head_dim=64).to("cuda", torch.float32)
+    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(6)).cuda()
+    mask = (torch.arange(300)[None, :] >= 5).long().cuda()
+    shared = []
+    real = K._decode_shared
+    monkeypatch.setattr(K, "_decode_shared", lambda *a, **k: (shared.append(a[4]), real(*a, **k))[1])
+    outs = []
+    for custom, start in ((None, 0), (graph_decoding, 16)):
+        monkeypatch.setitem(K.TUNE, "shared_from", start)
+        cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+        with torch.no_grad():
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, do_sample=False, num_beams=4, max_new_tokens=40, pad_token_id=0,
+                                       return_dict_in_generate=True, output_logits=True, custom_generate=custom, **cache_kwargs(model, cache)))
+        cache.detach()
+        assert bool(shared) == bool(start)  # (whole rows in generate's own run; the shared launch under graphs)
+    assert set(shared) == {2}  # (two groups of two beams: GQA 4, 8 queries a program)
+    eager, graphed = outs
+    a, b = torch.stack(eager.logits), torch.stack(graphed.logits)
+    assert (b - a).abs().max().item() <= 1e-3 * a.abs().max().item()
+    assert torch.equal(eager.sequences, graphed.sequences) and torch.equal(eager.beam_indices, graphed.beam_indices)
+
+
 def test_graph_decoder_follows_other_changes_to_the_cache():
     """Between replays the cache may change by other hands (a crop, an eager step, an
     interrupted step): the decoder notices and records anew rather than replaying stale

@@ -54,6 +54,9 @@ class PagedView:
                  columns that count, the rest being room. A CUDA graph's decode step then
                  outlives a seal (a new column, written in place): the triton decode kernel
                  loads the count, other paths read it back (`host_lengths`).
+    shared:      the leading logical blocks every row holds alike (the same ids: a prompt's
+                 blocks under its beams), which a kernel may read once for several rows; 0 where
+                 none are known. A hint: it never changes what attention computes.
     Row b's token t (0-based over the whole sequence) is logical block t // P, slot t % P,
     or tail slot t - n_blocks * P.
     """
@@ -67,6 +70,7 @@ class PagedView:
     tail_v: torch.Tensor
     tail_len: torch.Tensor | None = None
     n_blocks: torch.Tensor | None = None
+    shared: int = 0
 
     @property
     def block_size(self) -> int:
@@ -90,7 +94,8 @@ class PagedView:
             view = dataclasses.replace(view, tail_k=view.tail_k[:, :, :n], tail_v=view.tail_v[:, :, :n], tail_len=None)
         if view.n_blocks is not None:
             nb = int(view.n_blocks.reshape(-1)[0])
-            view = dataclasses.replace(view, block_table=view.block_table[:, :nb], n_sink=min(view.n_sink, nb), n_blocks=None)
+            view = dataclasses.replace(view, block_table=view.block_table[:, :nb], n_sink=min(view.n_sink, nb), n_blocks=None,
+                                       shared=min(view.shared, nb))
         return view
 
 

@@ -1082,3 +1082,97 @@ def test_a_strided_start_is_read_by_row(C):
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     ref, ref_lse = paged_attention(q, cache.view(0), start=wide[::2].contiguous(), backend="reference")
     assert torch.allclose(out.cpu(), ref, atol=1e-4) and torch.allclose(lse.cpu(), ref_lse, atol=1e-4)
+
+
+def _beams(cfg, B, T, own, Hkv, D, dtype, seed):
+    """A one-layer cache as beam search leaves it: a prompt of T tokens prefilled once and its
+    rows repeated B times (the sealed blocks shared), then `own` tokens of each row's own (its
+    own blocks once sealed) and a decode step's token in the tail."""
+    from longctx.cache import PagedKVCache
+
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=Hkv, head_dim=D)
+    kv = [torch.randn(1, Hkv, T, D, generator=g).to(dtype) for _ in range(2)]
+    cache.append(0, *kv)
+    cache.seal()
+    cache.select_rows([0] * B)
+    for n in (own, 1):
+        cache.seal()
+        cache.append(0, *[torch.randn(B, Hkv, n, D, generator=g).to(dtype) for _ in range(2)])
+    return cache
+
+
+# (B, T, own tokens, Hq, Hkv, D, block, cfg kwargs, starts, queries, R): R, the rows a group
+# of the shared launch takes, from B, G and the queries a program (TUNE["shared_rows"])
+SHARED_CASES = [
+    (4, 200, 40, 8, 2, 64, 16, dict(bits=4), None, 8, 2),  # (the default: two groups of two beams)
+    (6, 150, 20, 8, 2, 64, 16, dict(bits=8), [3, 3, 3, 9, 9, 9], 16, 3),
+    (8, 130, 33, 2, 2, 64, 16, dict(bits=2, rotate=True), None, 8, 8),
+    (2, 120, 10, 8, 1, 128, 16, dict(bits=16), [5, 5], 16, 2),
+    (4, 300, 70, 8, 2, 64, 32, dict(bits=4, k_bits=8, sink_blocks=2), [0, 7, 0, 40], 16, 4),
+    (4, 257, 30, 12, 4, 64, 16, dict(bits=4, rotate=True, sink_blocks=0), None, 16, 4),  # GQA 3: 12 queries of 16
+]
+
+
+@pytest.mark.parametrize("case", SHARED_CASES, ids=lambda c: f"B{c[0]}-T{c[1]}+{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-P{c[6]}-" + KVConfig(**c[7]).describe() + ("-pad" if c[8] else ""))
+def test_shared_blocks_read_once_for_a_group(case, monkeypatch):
+    """Rows that hold their first blocks alike (beams over one prompt) take two launches: the
+    shared blocks once for each group of R rows, their queries stacked as one program's, and
+    each row's own blocks and tail; one merge. Against the same kernel over whole rows and the
+    reference: every row's output and LSE (rows differ in their queries, their own blocks and
+    where padding allows, their starts, so a row's queries or partials sent to another's slot
+    fail), with the host's lengths and with the device's (a CUDA graph's view: a wider table
+    with its count, the tail's length)."""
+    import dataclasses
+
+    B, T, own, Hq, Hkv, D, P, kw, starts, queries, R = case
+    monkeypatch.setitem(TUNE, "shared_rows", queries)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    cfg = KVConfig(block_size=P, **kw)
+    cache = _beams(cfg, B, T, own, Hkv, D, dtype, seed=T)
+    view = _to(cache.view(0), DEVICE)
+    c = T // P
+    assert view.shared == c and view.block_table.shape[1] == (T + own) // P
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(T + 1)).to(dtype).to(DEVICE)
+    start = torch.tensor(starts, dtype=torch.int32, device=DEVICE) if starts else None
+    monkeypatch.setitem(TUNE, "shared_from", 0)
+    assert K.shared_rows(B, Hq // Hkv, c, P) == 1
+    whole, whole_lse = paged_decode_triton(q, view, start, D**-0.5)
+    assert K.LAST["shared"] is None
+    monkeypatch.setitem(TUNE, "shared_from", P)
+    assert K.shared_rows(B, Hq // Hkv, c, P) == R
+    ref, ref_lse = paged_attention(q, view, start=start, backend="reference")
+    tol = FLOOR[dtype]
+    wide = dataclasses.replace(view, block_table=torch.cat([view.block_table, view.block_table[:, :5]], 1),
+                               n_blocks=torch.tensor([view.block_table.shape[1]], dtype=torch.int32, device=DEVICE),
+                               tail_k=torch.cat([view.tail_k, torch.full_like(view.tail_k[:, :, :3], 300.0)], 2),
+                               tail_v=torch.cat([view.tail_v, torch.full_like(view.tail_v[:, :, :3], -1e3)], 2),
+                               tail_len=torch.tensor([view.tail_k.shape[2]], dtype=torch.int32, device=DEVICE), n_sink=cfg.sink_blocks)
+    for v in (view, wide):
+        got, got_lse = paged_decode_triton(q, v, start, D**-0.5)
+        assert K.LAST["shared"][:2] == (R, c)
+        assert torch.isfinite(got).all()
+        for other, other_lse in ((whole, whole_lse), (ref, ref_lse)):
+            assert (got.float() - other.float()).abs().max().item() <= tol
+            assert (got_lse - other_lse).abs().max().item() <= tol
+
+
+def test_shared_rows_rule(monkeypatch):
+    """The shared blocks' launch only where they reach TUNE["shared_from"] tokens, over the
+    largest group of rows dividing the batch whose queries fit TUNE["shared_rows"]; bad knobs
+    are refused."""
+    assert (TUNE["shared_from"], TUNE["shared_rows"], TUNE["shared_warps"]) == (8192, 8, 1)
+    assert K.shared_rows(4, 4, 128, 64) == 2  # 8k tokens, 4 beams of GQA 4: two rows' 8 queries a program
+    assert K.shared_rows(4, 4, 127, 64) == 1  # below 8k tokens: whole rows
+    assert K.shared_rows(3, 4, 2048, 64) == 1 and K.shared_rows(8, 2, 2048, 64) == 4 and K.shared_rows(6, 1, 2048, 64) == 6
+    assert K.shared_rows(4, 8, 2048, 64) == 1 and K.shared_rows(1, 4, 2048, 64) == 1
+    monkeypatch.setitem(TUNE, "shared_rows", 16)
+    assert K.shared_rows(8, 4, 2048, 64) == 4 and K.shared_rows(6, 4, 2048, 64) == 3 and K.shared_rows(5, 4, 2048, 64) == 1
+    assert K.shared_rows(4, 8, 2048, 64) == 2
+    monkeypatch.setitem(TUNE, "shared_from", 0)
+    assert K.shared_rows(8, 4, 2048, 64) == 1
+    for name, bad in (("shared_from", -1), ("shared_from", True), ("shared_rows", 2.0), ("shared_warps", 0)):
+        with monkeypatch.context() as m:
+            m.setitem(TUNE, name, bad)
+            with pytest.raises(ValueError, match=name):
+                K.shared_rows(8, 4, 2048, 64)

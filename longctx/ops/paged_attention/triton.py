@@ -19,6 +19,7 @@ tests compare the two (tests/ops/test_paged_attention_triton.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -39,13 +40,14 @@ from .triton_tiles import _softmax_step, _step_ids, _zero_state
 
 # Integers that change from step to step are not specialized: Triton would compile a new
 # variant the first time each turns 1 or a multiple of 16 (tail_len does within 16 steps).
-@triton.jit(do_not_specialize=["stride_tb", "n_blocks", "n_sink", "tail_len", "blocks_per_split", "n_splits", "apart"])
+@triton.jit(do_not_specialize=["stride_tb", "n_blocks", "n_sink", "tail_len", "blocks_per_split", "n_splits", "apart", "j_first", "slot0",
+                               "n_slots"])
 def _decode_kernel(
     Q, QR, TABLE, START,
     SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, TAIL_K, TAIL_V,
     O, OR, LSE, OUT, LOUT, COUNT,
     stride_qb, stride_qh, stride_tb, s_tk_b, s_tk_h, s_tk_p,
-    n_blocks, n_sink, tail_len, blocks_per_split, scale, n_splits, apart,
+    n_blocks, n_sink, tail_len, blocks_per_split, scale, n_splits, apart, j_first, slot0, n_slots,
     H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
@@ -54,7 +56,7 @@ def _decode_kernel(
     ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
     STAMPS=None, PDL: tl.constexpr = False, GRID: tl.constexpr = 0, S_PAD: tl.constexpr = 0, SC: tl.constexpr = 0,
     BD: tl.constexpr = 0, TINY_CODES: tl.constexpr = False, BOUNDS=None, TAIL_DEV: tl.constexpr = False,
-    BLOCKS_DEV: tl.constexpr = False,
+    BLOCKS_DEV: tl.constexpr = False, R: tl.constexpr = 1,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -79,7 +81,12 @@ def _decode_kernel(
     BLOCKS_DEV: n_blocks is a pointer to the table's block count (int32; seals between a CUDA
     graph's replays change it on the device, up to the table's width), and n_sink the sink
     blocks a full table has; each split's share is then worked out here from the count, in
-    whole steps of PAGES as the launcher's plan does (blocks_per_split is not read)."""
+    whole steps of PAGES as the launcher's plan does (blocks_per_split is not read).
+    j_first: the first logical block the splits share out (the blocks before it are another
+    launch's); partials go to slot slot0 + split of n_slots a (row, query head). R > 1: a
+    program (b, h) takes the G queries of KV head h of each of rows b * R .. b * R + R - 1,
+    which hold the blocks this launch reads alike (read from row b * R's table), as R * G query
+    rows (a group's rows may start at different positions: each query masks by its row's)."""
     if GRID > 0:  # noqa: SIM102 (a constexpr test alone: without merge programs none of this compiles)
         if tl.program_id(1) >= n_splits:
             _grid_merge(O, LSE, OUT, LOUT, COUNT, tl.program_id(0), tl.program_id(1) - n_splits, n_splits,
@@ -103,7 +110,7 @@ def _decode_kernel(
     offs_p = tl.arange(0, P)
     offs_k = tl.arange(0, DK)
     offs_v = tl.arange(0, DV)
-    gmask = offs_g < G
+    gmask = offs_g < R * G
     if TAIL_DEV:
         tail_len = tl.load(tail_len)
     if BLOCKS_DEV:
@@ -114,12 +121,12 @@ def _decode_kernel(
         if apart:
             blocks_per_split = PAGES * tl.maximum(1, tl.cdiv(n_blocks - n_sink, (n_splits - 1) * PAGES))
         else:
-            blocks_per_split = PAGES * tl.maximum(1, tl.cdiv(total, n_splits * PAGES))
+            blocks_per_split = PAGES * tl.maximum(1, tl.cdiv(total - j_first, n_splits * PAGES))
     if BOUNDS is not None:
         lo = tl.load(BOUNDS + pid * (n_splits + 1) + split)
         hi = tl.load(BOUNDS + pid * (n_splits + 1) + split + 1)
     else:
-        lo = split * blocks_per_split
+        lo = j_first + split * blocks_per_split
         hi = tl.minimum(lo + blocks_per_split, total)
     j0 = tl.maximum(lo, n_sink)  # the sealed blocks j0 .. j1 - 1
     j1 = tl.minimum(hi, n_blocks)
@@ -132,16 +139,34 @@ def _decode_kernel(
     # side by side: the first step's block ids, loaded before the query so that the two
     # loads' latencies overlap (loaded after it, the ids waited for the query's first use,
     # and the first pages for the ids)
-    trow = TABLE + b * stride_tb
+    trow = TABLE + b * R * stride_tb  # (with R > 1 the group's first row: its rows hold these blocks alike)
     ids = j0
     if WP > 0:
         TILES: tl.constexpr = P // _side_tile(P)  # the side loop's tiles a page
         ids = _side_ids(trow, j0 * TILES, j1, WP, TILES)
-    qbase = b * stride_qb + h * G * stride_qh
-    q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, qbase, offs_g, gmask, stride_qh, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT)
-    start = 0
+    if R > 1:  # query g of the program: row b * R + g // G's head h * G + g % G
+        qoffs = (b * R + offs_g // G) * stride_qb + (h * G + offs_g % G) * stride_qh
+        orows = (b * R + offs_g // G) * (H * G) + h * G + offs_g % G
+    else:
+        qoffs = b * stride_qb + h * G * stride_qh + offs_g * stride_qh
+        orows = b * H * G + h * G + offs_g
+    q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, 0, qoffs, gmask, 1, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT)
+    # each query's first attended position (left padding), shaped for the scores it masks:
+    # [rows, tokens] (s_rows), transposed [tokens, rows] (s_cols), side by side [pages, rows,
+    # tokens] (s_side); one scalar where the program's queries are one row's
+    s_rows = 0
+    s_cols = 0
+    s_side = 0
     if HAS_START:
-        start = tl.load(START + b)
+        if R > 1:
+            sv = tl.load(START + b * R + offs_g // G, mask=gmask, other=0)
+            s_rows = sv[:, None]
+            s_cols = sv[None, :]
+            s_side = sv[None, :, None]
+        else:
+            s_rows = tl.load(START + b)
+            s_cols = s_rows
+            s_side = s_rows
 
     # 1. + 3. unquantized, unrotated blocks: sink pages, then the tail after the table; with
     # SKIP only in the programs that have some (the loops' pipelined prologues cost every
@@ -150,14 +175,14 @@ def _decode_kernel(
     if not SKIP or (lo < n_sink) | (hi > n_blocks):
         m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _unquantized(
             trow, SINK_K, SINK_V, TAIL_K + b * s_tk_b + h * s_tk_h, TAIL_V + b * s_tk_b + h * s_tk_h, s_tk_p,
-            h, lo, hi, n_blocks, n_sink, tail_len, start, q, offs_d, offs_v, H, G_PAD, D, P, DV, PV, DOT, PREC, DENSE)
+            h, lo, hi, n_blocks, n_sink, tail_len, s_rows, s_cols, q, offs_d, offs_v, H, G_PAD, D, P, DV, PV, DOT, PREC, DENSE)
 
     # 2. sealed pages: WP side by side a step (a warp each), or PAGES a step across the warps
     if STAMPS is not None:
         tl.store(stamp + 1, globaltimer())
     if WP > 0:
         m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3 = _sealed_side(
-            KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start,
+            KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, s_side,
             qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
             H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP, SVT, ZDOT, MASK, TINY_CODES)
     else:  # PAGES of them per iteration (more loads in flight per program): K scores per
@@ -191,7 +216,7 @@ def _decode_kernel(
                     s = tl.reshape(tl.join(s, s1), (G_PAD, T))
             page = j + n_t
             ok = page < j1
-            s = tl.where((ok & (page * P + i_t >= start))[None, :], s, float("-inf"))
+            s = tl.where(ok[None, :] & ((page * P + i_t)[None, :] >= s_rows), s, float("-inf"))
             m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
             row = (bt * H + h) * P + i_t  # the token's row in the [N * H * P, ...] pool
             pv, v0, v1, v2, v3 = _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
@@ -199,7 +224,7 @@ def _decode_kernel(
 
     if STAMPS is not None:
         tl.store(stamp + 2, globaltimer())
-    _finish(O, OR, LSE, (b * H * G + h * G + offs_g) * n_splits + split, gmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE)
+    _finish(O, OR, LSE, orows * n_slots + slot0 + split, gmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE)
     if GRID > 0:  # this split's partial is stored (every thread's: the barrier), for the merge programs
         tl.debug_barrier()
         tl.atomic_add(COUNT + 2 * pid, 1, sem="release")
@@ -245,12 +270,13 @@ def _decode_kernel(
 
 
 @triton.jit
-def _unquantized(trow, SINK_K, SINK_V, tail_k, tail_v, s_tk_p, h, lo, hi, n_blocks, n_sink, tail_len, start, q, offs_d, offs_v,
+def _unquantized(trow, SINK_K, SINK_V, tail_k, tail_v, s_tk_p, h, lo, hi, n_blocks, n_sink, tail_len, s_rows, s_cols, q, offs_d, offs_v,
                  H: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr,
                  DOT: tl.constexpr, PREC: tl.constexpr, DENSE: tl.constexpr):
     """The online-softmax state (m_i, l_i, a0..a3, r0..r3) of a split's unquantized blocks
     lo .. hi - 1, the first it sees: the sink pages (of the row's table trow) and the tail
-    (tail_k/tail_v: this row and head's; token stride s_tk_p). The rotated accumulators r0..r3
+    (tail_k/tail_v: this row and head's; token stride s_tk_p), positions before s_rows
+    ([rows, 1] or a scalar; s_cols the same as [1, rows]) masked. The rotated accumulators r0..r3
     stay zero (no rotated page has been seen yet). DENSE > 0 (side by side: a warp a page;
     at most P): DENSE tokens a step, transposed (_dense_block_t); 0: a block a step across the
     program's warps."""
@@ -269,12 +295,12 @@ def _unquantized(trow, SINK_K, SINK_V, tail_k, tail_v, s_tk_p, h, lo, hi, n_bloc
         for u in tl.range(lo * R, tl.minimum(hi, n_sink) * R, num_stages=2):
             blk = tl.load(trow + u // R).to(tl.int64)
             off = (blk * H + h) * P * D + (u % R) * DT * D
-            m_i, l_i, e0, e1, e2, e3 = _dense_block_t(SINK_K + off, SINK_V + off, D, offs_u >= 0, u * DT + offs_u, start, qt,
+            m_i, l_i, e0, e1, e2, e3 = _dense_block_t(SINK_K + off, SINK_V + off, D, offs_u >= 0, u * DT + offs_u, s_cols, qt,
                                                       m_i, l_i, e0, e1, e2, e3, offs_u, offs_d, DV, PV, DOT, PREC)
         for t0 in tl.range((tl.maximum(lo, n_blocks) - n_blocks) * P, tl.minimum(tail_len, (hi - n_blocks) * P), DT, num_stages=2):
             t = t0 + offs_u
             m_i, l_i, e0, e1, e2, e3 = _dense_block_t(tail_k + t0 * s_tk_p, tail_v + t0 * s_tk_p, s_tk_p, t < tail_len, n_blocks * P + t,
-                                                      start, qt, m_i, l_i, e0, e1, e2, e3, offs_u, offs_d, DV, PV, DOT, PREC)
+                                                      s_cols, qt, m_i, l_i, e0, e1, e2, e3, offs_u, offs_d, DV, PV, DOT, PREC)
         a0 = tl.permute(e0, (1, 0))
         a1 = tl.permute(e1, (1, 0))
         a2 = tl.permute(e2, (1, 0))
@@ -300,7 +326,7 @@ def _unquantized(trow, SINK_K, SINK_V, tail_k, tail_v, s_tk_p, h, lo, hi, n_bloc
                     valid = t < tail_len
                     pos = n_blocks * P + t
                 s = _dense_scores(kbase, sp, valid, q, offs_p, offs_d, DOT, PREC)
-                s = tl.where((valid & (pos >= start))[None, :], s, float("-inf"))
+                s = tl.where(valid[None, :] & (pos[None, :] >= s_rows), s, float("-inf"))
                 m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
                 v0, v1, v2, v3 = _dense_values(vbase, sp, valid, offs_p, offs_v, PV, DOT)
                 a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, p.to(DOT), v0, v1, v2, v3, PV, PREC)
@@ -308,10 +334,11 @@ def _unquantized(trow, SINK_K, SINK_V, tail_k, tail_v, s_tk_p, h, lo, hi, n_bloc
 
 
 @triton.jit
-def _dense_block_t(kbase, vbase, sp, valid, pos, start, qt, m_i, l_i, e0, e1, e2, e3, offs_u, offs_d,
+def _dense_block_t(kbase, vbase, sp, valid, pos, s_cols, qt, m_i, l_i, e0, e1, e2, e3, offs_u, offs_d,
                    DV: tl.constexpr, PV: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """One online-softmax step over the tokens offs_u of an unquantized block (token stride
-    sp; valid: present, pos: their positions), transposed: scores K·qᵀ [DT, rows] (qt
+    sp; valid: present, pos: their positions, those before s_cols [1, rows] or a scalar
+    masked), transposed: scores K·qᵀ [DT, rows] (qt
     [D, rows]) and accumulators e_r [DV, rows] += V_rᵀ @ pᵀ (the few rows pad to 8 columns of
     the tensor-core tile, not 16 rows). K and V load whole rows (vector loads) and V splits
     into its PV sub-tiles in registers: strided or masked scalar loads, each with its own
@@ -320,7 +347,7 @@ def _dense_block_t(kbase, vbase, sp, valid, pos, start, qt, m_i, l_i, e0, e1, e2
     DT: tl.constexpr = offs_u.shape[0]
     k = tl.load(kbase + offs_u[:, None] * sp + offs_d[None, :], mask=valid[:, None], other=0.0)
     st = tl.dot(k.to(DOT), qt, input_precision=PREC)
-    st = tl.where((valid & (pos >= start))[:, None], st, float("-inf"))
+    st = tl.where(valid[:, None] & (pos[:, None] >= s_cols), st, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(st, 0))
     alpha = tl.exp2(m_i - m_new)
     pt = tl.exp2(st - m_new[None, :])
@@ -369,7 +396,7 @@ def _warp_slot():
 
 
 @triton.jit
-def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start, qp0, qp1, qp2, qp3,
+def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, s_side, qp0, qp1, qp2, qp3,
                  m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
                  H: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr,
                  V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
@@ -380,7 +407,8 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start, qp0, qp1, 
     ids of the first step), WP tiles of at most 64 tokens side by side a step (triton_tiles'
     _side_*; a page of P > 64 tokens is P // 64 tiles, which share its K scales): each keeps its
     own online softmax over the tiles it sees, and the WP states fold into the program's (m_i,
-    l_i, accumulators) at the end; with ROTATE the sealed pages' share goes to the rotated
+    l_i, accumulators) at the end; tokens before s_side ([1, rows, 1] or a scalar) are
+    masked; with ROTATE the sealed pages' share goes to the rotated
     accumulators r0..r3. MASK False (the launcher's rule, TUNE["side_unmasked"]: one page a
     step and no left padding, where no score is masked) leaves out the masking. TINY_CODES: K's
     and V's codes go into their dots as fp16 subnormals (K16 1 and SVT only)."""
@@ -417,8 +445,8 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, start, qp0, qp1, 
                          TINY_CODES)
         if MASK:
             tile = u + offs_w  # the tile's first token is the row's token tile * T
-            keep = (tile < j1 * R)[:, None] & (tile[:, None] * T + offs_p[None, :] >= start)
-            s = tl.where(keep[:, None, :], s, float("-inf"))
+            keep = (tile < j1 * R)[:, None, None] & ((tile[:, None] * T + offs_p[None, :])[:, None, :] >= s_side)
+            s = tl.where(keep, s, float("-inf"))
         mw, lw, p, alpha = _softmax_step(s, mw, lw)
         if SVT:
             x0, x1, x2, x3, z_acc = _side_values_folded(VC, VS, VZ, bh, sub, tl.permute(p, (0, 2, 1)), x0, x1, x2, x3, z_acc, alpha,
@@ -752,8 +780,20 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # biased and exact codes).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
             pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=True, pdl=False,
+            shared_from=8192, shared_rows=8, shared_warps=1,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
+# shared_from, shared_rows, shared_warps: where every row holds its first blocks alike (beams over
+# one prompt) and they reach shared_from tokens (0: never), a decode call reads them in a launch
+# of its own whose programs each take a group of rows' queries (at most shared_rows: R = 2 rows
+# of GQA 4), then each row's own blocks and tail in a second launch, and merges both
+# (`_decode_shared`). The GPU's L2 does not spare the repeats: one layer (Llama-3-8B shape,
+# int4, graph timing, scripts/diag_shared_rows.py, notes v34), 4 rows sharing 128k tokens read
+# whole 146.9 us against 49.1 for one row. Through the shared launch: 8 queries a program on one
+# warp (255 registers, 14 spills) 94.6 us; 16 queries on one warp (192 spills) 160.9, on two
+# warps (4 spills, fewer splits fit) 134.4, on four 200.4; 8 queries on two warps 205.0. At 32k:
+# 36.6 us (8 on one warp) against 46.0 whole. A beam step of bench e2e's model at 128k, 4 beams
+# (scripts/diag_generate.py 131072 64 1 4 --shared): 13.7 ms against 16.2 reading whole rows.
 # prefill (prefill.py): "kernel" (paged_prefill_triton: the pages read in place), "staged" (the
 # past dequantized into a bf16 buffer, then SDPA's flash kernel), or "auto" (`prefill_path`).
 # The kernel dequantizes each page once per block of prefill_rows query rows (query tokens x G
@@ -1083,6 +1123,17 @@ class _Plan(NamedTuple):
     last: dict  # what LAST reports besides the compiled kernel
 
 
+class _Part(NamedTuple):
+    """One of the two launches of a decode call over rows that hold their first blocks alike
+    (`_decode_shared`): its programs take `rows` rows' queries (R; > 1 for the shared blocks,
+    read once for a group of rows), its splits start at logical block `first`, and its
+    partials go to slots slot0 .. of the `slots` both launches fill a (row, query head)."""
+    rows: int = 1
+    first: int = 0
+    slot0: int = 0
+    slots: int = 0
+
+
 _PLANS: dict = {}  # decode plans by their key (`paged_decode_triton`), emptied when large
 _PLANS_MAX = 1024
 
@@ -1100,15 +1151,22 @@ def _plan_key(st: _Setup, q, view: PagedView, start, splits, capturing: bool):
             st.n_sink, st.tail_len > 0, view.tail_len is None, view.n_blocks is None, splits, capturing, tiny, tuple(TUNE.items()))
 
 
-def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan):
-    """The decode launch's buffers and arguments under `plan`: (o, o_r, lse, out, lout, args)."""
+def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan, part: _Part | None = None, bufs=None):
+    """The decode launch's buffers and arguments under `plan`: (o, o_r, lse, out, lout, args).
+    A part of a call (`_decode_shared`) writes its partials into bufs = (o, o_r, lse), whose
+    slots both parts share."""
     q, fmt = st.q, st.fmt
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
-    o = torch.empty(B, Hq, plan.splits, D, dtype=q.dtype if plan.merged else torch.float32, device=q.device)
-    o_r = torch.empty_like(o) if fmt.rotate else o
-    lse = torch.empty(B, Hq, plan.splits, dtype=torch.float32, device=q.device)
+    if part is not None:
+        o, o_r, lse = bufs
+        first, slot0, slots = part.first, part.slot0, part.slots
+    else:
+        o = torch.empty(B, Hq, plan.splits, D, dtype=q.dtype if plan.merged else torch.float32, device=q.device)
+        o_r = torch.empty_like(o) if fmt.rotate else o
+        lse = torch.empty(B, Hq, plan.splits, dtype=torch.float32, device=q.device)
+        first, slot0, slots = 0, 0, plan.splits
     out, lout, count = o, lse, st.table
-    if plan.splits > 1 and not fmt.rotate:
+    if plan.splits > 1 and not fmt.rotate and part is None:
         out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
         lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
         if plan.counters:
@@ -1119,16 +1177,20 @@ def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan):
             o, o_r, lse, out, lout, count,
             st.q.stride(0), st.q.stride(1), st.table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
             st.n_blocks if view.n_blocks is None else view.n_blocks, st.n_sink, st.tail_len if view.tail_len is None else view.tail_len,
-            plan.bps, scale, plan.splits, int(plan.apart))
+            plan.bps, scale, plan.splits, int(plan.apart), first, slot0, slots)
     return o, o_r, lse, out, lout, args
 
 
-def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, capturing: bool) -> tuple[_Plan, bool]:
+def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, capturing: bool,
+                 part: _Part | None = None) -> tuple[_Plan, bool]:
     """The launch plan of a decode call (split count, loop shape, merge, constexprs), and
     whether it may be cached (not while the tiny-code probe is still to run). Compiles the
-    kernel where the split count depends on how many programs fit."""
-    fmt, q, total, sm, gpu, device = st.fmt, st.q, st.total, st.sm, st.gpu, st.device
-    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+    kernel where the split count depends on how many programs fit. A part of a call
+    (`_decode_shared`: its rows a program and first block) leaves the merge to its caller."""
+    fmt, q, sm, gpu, device = st.fmt, st.q, st.sm, st.gpu, st.device
+    R, first = (part.rows, part.first) if part is not None else (1, 0)
+    total = st.total - first  # the logical blocks this launch's splits share
+    B, Hq, D = q.shape[0] // R, q.shape[1], q.shape[-1]
     H, G = fmt.num_kv_heads, st.consts["G"]
     KS = st.pools[3]
     half = st.consts["DOT"] != tl.float32
@@ -1139,6 +1201,8 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     short = not sixteen and math.ceil(total / guess) <= 2
     side = _side(fmt, short)
     opts = dict(num_warps=side or TUNE["num_warps"])
+    if R > 1 and side:  # the shared blocks' launch: a group's R x G queries over more warps (TUNE["shared_warps"])
+        opts["num_warps"] = side * TUNE["shared_warps"]
     k16 = _side_k16(half, KS.dtype in (torch.float16, torch.bfloat16)) if side else st.consts["K16"]
     stages = TUNE["side_stages"] if side else TUNE["stages16"] if sixteen else TUNE["short_stages"] if short else TUNE["num_stages"]
     if stages is not None:
@@ -1149,7 +1213,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     if TUNE["maxnreg"] and not sixteen and gpu:
         opts["maxnreg"] = TUNE["maxnreg"]  # programs_per_sm programs must fit the register file
     pages_per_step = side or _pages_per_step(fmt)
-    rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(G))  # (triton pads a dot's M < 16 itself)
+    rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(R * G))  # (triton pads a dot's M < 16 itself)
     # values transposed, their scales folded into the fp16 probabilities (16-bit inputs only)
     svt = bool(side and TUNE["side_vt"] and half)
     # (the probe runs only where a side loop's dots would take tiny codes)
@@ -1158,7 +1222,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
                   SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
                   TINY_CODES=bool(tiny), GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)),
-                  TAIL_DEV=view.tail_len is not None, BLOCKS_DEV=view.n_blocks is not None, **opts)
+                  TAIL_DEV=view.tail_len is not None, BLOCKS_DEV=view.n_blocks is not None, R=R, **opts)
     # programmatic dependent launch (sm_90+): each launch may start while the one before it
     # ends, and waits for it on the GPU (gdc_wait) before reading what it wrote
     pdl = dict(PDL=True, launch_pdl=True) if gpu and TUNE["pdl"] and torch.cuda.get_device_capability(device) >= (9, 0) else {}
@@ -1168,14 +1232,14 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     def merge_mode(splits: int) -> str:
         """How the splits merge: "kernel" (the last split), "grid" (merge programs in the same
         grid) or "launch" (a second kernel); "" where there is nothing to merge or torch merges
-        (one split, rotation)."""
-        return _merge_mode(TUNE["merge"], capturing) if splits > 1 and not fmt.rotate else ""
+        (one split, rotation) or the caller merges (a part)."""
+        return _merge_mode(TUNE["merge"], capturing) if splits > 1 and not fmt.rotate and part is None else ""
 
     def plan_for(splits: int, warmup: bool = False) -> _Plan:
         """The plan at (about) `splits` splits: whole loop steps a split, so the count may fall."""
         n_sink, sealed = st.n_sink, st.n_blocks - st.n_sink
         # side_apart: the sinks and the tail get a split of their own, the sealed pages the rest
-        apart = bool(side and TUNE["side_apart"] and splits > 1 and sealed > 0 and (n_sink or st.tail_len))
+        apart = bool(side and TUNE["side_apart"] and splits > 1 and sealed > 0 and (n_sink or st.tail_len) and part is None)
         if apart:
             bps = side * max(1, math.ceil(sealed / (splits - 1) / side))
             splits = math.ceil(sealed / bps) + 1
@@ -1197,14 +1261,14 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
         if splits > 1 and not fmt.rotate and mode in ("kernel", "grid"):
             # grid: the splits stored, the merge programs done; tree: a counter per group, and one for the groups
             counters = B * H * (2 if mode == "grid" else (math.ceil(splits / tree) + 1 if tree else 1))
-        return _Plan(splits, bps, apart, splits == 1 and not fmt.rotate, mode, (B * H, splits + extra.get("GRID", 0)), counters,
+        return _Plan(splits, bps, apart, splits == 1 and not fmt.rotate and part is None, mode, (B * H, splits + extra.get("GRID", 0)), counters,
                      dict(consts, MERGE=mode == "kernel", TREE=tree, **extra), pdl,
                      merge_shape(B, Hq, D, sm, splits) if mode == "launch" else {}, dict(last, tree=tree, apart=apart, merge=mode))
 
     def fit_for(splits: int) -> int:
         """Programs of the compiled kernel (its merge mode at `splits`) one SM holds (GPU)."""
         key = (device, fmt, q.dtype, KS.dtype, start is not None, view.tail_len is None, view.n_blocks is None, merge_mode(splits), stages, side,
-               tuple(TUNE.items()))
+               R, tuple(TUNE.items()))
         fit = _FIT.get(key)
         if fit is None:  # (the in-kernel merge costs registers: 165 against 128 on triton 3.6)
             plan = plan_for(splits, warmup=True)
@@ -1231,11 +1295,85 @@ def merge_shape(B: int, Hq: int, D: int, sm: int, splits: int) -> dict:
     return dict(S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=_merge_cols(D, B * Hq, sm))
 
 
+def shared_rows(batch: int, G: int, shared_blocks: int, block_size: int) -> int:
+    """Rows a program of the shared blocks' launch takes (R; 1: no such launch, the call reads
+    whole rows): where every row holds its first `shared_blocks` blocks alike (a prompt's under
+    its beams) and they are at least TUNE["shared_from"] tokens, the largest divisor of the
+    batch from 2 whose queries (R x G a KV head) stay within TUNE["shared_rows"]."""
+    for name in ("shared_from", "shared_rows", "shared_warps"):
+        v = TUNE[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < (name == "shared_warps"):
+            raise ValueError(f"TUNE[{name!r}] must be an int >= 0, got {v!r}")
+    if not TUNE["shared_from"] or shared_blocks * block_size < TUNE["shared_from"]:
+        return 1
+    for r in range(min(batch, TUNE["shared_rows"] // max(1, G)), 1, -1):
+        if batch % r == 0:
+            return r
+    return 1
+
+
+def _decode_shared(st: _Setup, view: PagedView, start, scale, R: int, capturing: bool, key):
+    """Decode over rows whose first view.shared blocks are the same ids (beams over their
+    prompt): a launch over those blocks whose programs take the queries of R rows at once, so
+    that a group of rows reads them once (the GPU's L2 did not spare the repeats: four rows
+    sharing 128k tokens took 146 us a layer against 48 for one, notes v34); a launch over each
+    row's other blocks and tail; one merge of both launches' partials. -> (out [B, H_q, 1, D],
+    lse [B, H_q, 1])."""
+    q, fmt = st.q, st.fmt
+    B, Hq, D = q.shape
+    c = min(view.shared, st.n_blocks)
+    st_s = st._replace(n_blocks=c, n_sink=min(st.n_sink, c), tail_len=0, total=c)
+    view_s = dataclasses.replace(view, tail_k=view.tail_k[:, :, :0], tail_v=view.tail_v[:, :, :0], tail_len=None, n_blocks=None)
+    plans = []
+    for name, s, v, part in (("shared", st_s, view_s, _Part(R, 0)), ("rest", st, view, _Part(1, c))):
+        k = None if key is None else (key, name, R, c)
+        plan = _PLANS.get(k) if k is not None else None
+        if plan is None:
+            if s.consts is None:
+                s = s._replace(consts=_kernel_consts(fmt, q, st.pools[3], start, st.gpu, "paged_decode_triton"))
+            plan, cacheable = _decode_plan(s, v, start, scale, None, capturing, part)
+            if k is not None and cacheable:
+                if len(_PLANS) >= _PLANS_MAX:
+                    _PLANS.clear()
+                _PLANS[k] = plan
+        plans.append(plan)
+    S = plans[0].splits + plans[1].splits
+    o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
+    o_r = torch.empty_like(o) if fmt.rotate else o
+    lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+    kernels = []
+    for s, v, plan, part in ((st_s, view_s, plans[0], _Part(R, 0, 0, S)), (st, view, plans[1], _Part(1, c, plans[0].splits, S))):
+        args = _decode_args(s, v, start, scale, plan, part, (o, o_r, lse))[-1]
+        kernels.append(_decode_kernel[plan.grid](*args, **plan.consts))
+    # (LAST: the rest's launch, as a whole-row call's; the shared blocks' launch beside it)
+    LAST.update(kernel=kernels[1], grid=plans[1].grid, **plans[1].last, shared=(R, c, plans[0].splits, plans[1].splits),
+                shared_kernel=kernels[0], shared_grid=plans[0].grid)
+    if fmt.rotate:
+        out, total_lse = _merge_rotated(o, o_r, lse, st.hmat)
+        return out[:, :, None].to(q.dtype), total_lse
+    _merge_mode(TUNE["merge"], capturing)  # (checks the merge's knobs)
+    merge = merge_shape(B, Hq, D, st.sm, S)
+    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
+    lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
+    _merge_kernel[(B * Hq, D // merge["BD"] if merge["BD"] else 1)](
+        o, lse, out, lout, S, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        HQ=Hq, D=D, **merge, num_warps=4)
+    return out, lout
+
+
 def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
-    """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None)."""
+    """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None). Where the view's
+    rows share their first blocks (view.shared) the call takes two launches (`_decode_shared`),
+    unless `splits` asks for a split count (experiments) or a diagnostic hook is set."""
     st = _setup(q[:, :, 0], view, start, "paged_decode_triton", consts=False)
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     key = _plan_key(st, q, view, start, splits, capturing)
+    R = 1
+    if view.shared and splits is None and STAMP is None and BOUND is None:
+        R = shared_rows(q.shape[0], q.shape[1] // st.fmt.num_kv_heads, min(view.shared, st.n_blocks), st.fmt.block_size)
+    if R > 1:
+        out, lout = _decode_shared(st, view, start, scale, R, capturing, key)
+        return out, (lout if return_lse else None)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         st = st._replace(consts=_kernel_consts(st.fmt, st.q, st.pools[3], start, st.gpu, "paged_decode_triton"))
@@ -1251,7 +1389,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
             raise ValueError(f"BOUND must be int32 [{plan.grid[0]}, {plan.splits + 1}] (rows x KV heads, splits + 1) and side_apart off, "
                              f"got {BOUND.dtype} {tuple(BOUND.shape)}")
         hooks["BOUNDS"] = BOUND
-    LAST.update(kernel=_decode_kernel[plan.grid](*args, **plan.consts, **hooks), grid=plan.grid, **plan.last)
+    LAST.update(kernel=_decode_kernel[plan.grid](*args, **plan.consts, **hooks), grid=plan.grid, shared=None, **plan.last)
     if plan.merged:
         return o, (lse if return_lse else None)
     if st.fmt.rotate:
