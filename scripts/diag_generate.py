@@ -2,13 +2,15 @@
 `custom_generate=longctx.graph_decoding` (decode steps from CUDA graphs), on bench e2e's
 random Llama-3-8B-shaped model (bf16 weights, int4 KV).
 
-Usage (GPU machine, repo root): python3 scripts/diag_generate.py [CONTEXT] [NEW_TOKENS] [BATCH] [BEAMS] [--ours]
+Usage (GPU machine, repo root): python3 scripts/diag_generate.py [CONTEXT] [NEW_TOKENS] [BATCH] [BEAMS] [--ours | --shared]
 BATCH > 1: a left-padded batch, row i padded by i * CONTEXT // (2 * BATCH) tokens.
 BEAMS > 1: beam search (generate's own prefills every beam's copy of the prompt, graph_decoding
 one a prompt).
 --ours: graph_decoding only, with the block tables as they are and as they were before
 reorders counted only the blocks rows do not share (each reorder took and dropped a reference
 for every entry of the table, and dropped the device table, rebuilt from the host's lists).
+--shared: graph_decoding only, with attention reading the prompt's blocks once for a group of
+beams (the default, `_decode_shared`) and for every row (TUNE["shared_from"] = 0).
 Each run is generate(max_new_tokens=1) (the prefill and one token) and then
 generate(max_new_tokens=1 + NEW_TOKENS) on a fresh cache; decode ms/token is the difference
 over NEW_TOKENS. Both greedy (or beams); the script prints whether their tokens agree.
@@ -67,7 +69,19 @@ def old_tables():
         BlockTables.select, PagedKVCache.select_rows = select, select_rows
 
 
-def main(context=4096, new=64, batch=1, beams=1, ours=False):
+@contextlib.contextmanager
+def whole_rows():
+    from longctx.ops.paged_attention.triton import TUNE
+
+    saved = TUNE["shared_from"]
+    TUNE["shared_from"] = 0
+    try:
+        yield
+    finally:
+        TUNE["shared_from"] = saved
+
+
+def main(context=4096, new=64, batch=1, beams=1, ours=False, shared=False):
     model = llama3_8b_shaped(32, context + new + 16)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0)).cuda()
     pads = torch.arange(batch) * (context // (2 * batch))
@@ -75,6 +89,7 @@ def main(context=4096, new=64, batch=1, beams=1, ours=False):
     print(f"batch {batch}, padding {pads.tolist()}, beams {beams}")
     toks = {}
     runs = (("graph_decoding, tables before", graph_decoding, old_tables), ("graph_decoding", graph_decoding, contextlib.nullcontext)) if ours else \
+        (("graph_decoding, whole rows", graph_decoding, whole_rows), ("graph_decoding", graph_decoding, contextlib.nullcontext)) if shared else \
         (("generate's loop", None, contextlib.nullcontext), ("graph_decoding", graph_decoding, contextlib.nullcontext))
     for name, custom, tables in runs:
         with tables():
@@ -87,4 +102,4 @@ def main(context=4096, new=64, batch=1, beams=1, ours=False):
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:] if a != "--ours"), ours="--ours" in sys.argv)
+    main(*(int(a) for a in sys.argv[1:] if not a.startswith("--")), ours="--ours" in sys.argv, shared="--shared" in sys.argv)
