@@ -56,7 +56,7 @@ class PagedView:
                  loads the count, other paths read it back (`host_lengths`).
     shared:      the leading logical blocks every row holds alike (the same ids: a prompt's
                  blocks under its beams), which a kernel may read once for several rows; 0 where
-                 none are known. A hint: it never changes what attention computes.
+                 none are known. A hint: attention computes the same (up to rounding) either way.
     Row b's token t (0-based over the whole sequence) is logical block t // P, slot t % P,
     or tail slot t - n_blocks * P.
     """
