@@ -1302,8 +1302,9 @@ def shared_rows(batch: int, G: int, shared_blocks: int, block_size: int) -> int:
     batch from 2 whose queries (R x G a KV head) stay within TUNE["shared_rows"]."""
     for name in ("shared_from", "shared_rows", "shared_warps"):
         v = TUNE[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < (name == "shared_warps"):
-            raise ValueError(f"TUNE[{name!r}] must be an int >= 0, got {v!r}")
+        least = int(name == "shared_warps")
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ValueError(f"TUNE[{name!r}] must be an int >= {least}, got {v!r}")
     if not TUNE["shared_from"] or shared_blocks * block_size < TUNE["shared_from"]:
         return 1
     for r in range(min(batch, TUNE["shared_rows"] // max(1, G)), 1, -1):
