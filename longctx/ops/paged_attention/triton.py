@@ -1134,7 +1134,7 @@ class _Part(NamedTuple):
     slots: int = 0
 
 
-_PLANS: dict = {}  # decode plans by their key (`paged_decode_triton`), emptied when large
+_PLANS: dict = {}  # decode plans by their key (`paged_decode_triton`; and the shared launch's merge shapes), emptied when large
 _PLANS_MAX = 1024
 
 
@@ -1325,19 +1325,8 @@ def _decode_shared(st: _Setup, view: PagedView, start, scale, R: int, capturing:
     c = min(view.shared, st.n_blocks)
     st_s = st._replace(n_blocks=c, n_sink=min(st.n_sink, c), tail_len=0, total=c)
     view_s = dataclasses.replace(view, tail_k=view.tail_k[:, :, :0], tail_v=view.tail_v[:, :, :0], tail_len=None, n_blocks=None)
-    plans = []
-    for name, s, v, part in (("shared", st_s, view_s, _Part(R, 0)), ("rest", st, view, _Part(1, c))):
-        k = None if key is None else (key, name, R, c)
-        plan = _PLANS.get(k) if k is not None else None
-        if plan is None:
-            if s.consts is None:
-                s = s._replace(consts=_kernel_consts(fmt, q, st.pools[3], start, st.gpu, "paged_decode_triton"))
-            plan, cacheable = _decode_plan(s, v, start, scale, None, capturing, part)
-            if k is not None and cacheable:
-                if len(_PLANS) >= _PLANS_MAX:
-                    _PLANS.clear()
-                _PLANS[k] = plan
-        plans.append(plan)
+    plans = [_cached_plan(None if key is None else (key, name, R, c), s, v, start, scale, None, capturing, part)
+             for name, s, v, part in (("shared", st_s, view_s, _Part(R, 0)), ("rest", st, view, _Part(1, c)))]
     S = plans[0].splits + plans[1].splits
     o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
     o_r = torch.empty_like(o) if fmt.rotate else o
@@ -1352,14 +1341,41 @@ def _decode_shared(st: _Setup, view: PagedView, start, scale, R: int, capturing:
     if fmt.rotate:
         out, total_lse = _merge_rotated(o, o_r, lse, st.hmat)
         return out[:, :, None].to(q.dtype), total_lse
-    _merge_mode(TUNE["merge"], capturing)  # (checks the merge's knobs)
-    merge = merge_shape(B, Hq, D, st.sm, S)
+    mk = None if key is None else (key, "merge", R, c)
+    merge = _PLANS.get(mk) if mk is not None else None
+    if merge is None:
+        _merge_mode(TUNE["merge"], capturing)  # (checks the merge's knobs)
+        merge = merge_shape(B, Hq, D, st.sm, S)
+        if mk is not None:
+            _PLANS[mk] = merge
     out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
     lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
+    _merge_launch(o, lse, out, lout, S, merge, {})
+    return out, lout
+
+
+def _cached_plan(key, st: _Setup, view: PagedView, start, scale, splits, capturing: bool, part: _Part | None = None) -> _Plan:
+    """`_decode_plan`'s plan, from `_PLANS` by `key` where it was made before (None: not
+    cached), else made (with the setup's constexprs where it has none) and kept."""
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        if st.consts is None:
+            st = st._replace(consts=_kernel_consts(st.fmt, st.q, st.pools[3], start, st.gpu, "paged_decode_triton"))
+        plan, cacheable = _decode_plan(st, view, start, scale, splits, capturing, part)
+        if key is not None and cacheable:
+            if len(_PLANS) >= _PLANS_MAX:  # (a plan per block count: long generations would pile them up)
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def _merge_launch(o, lse, out, lout, S: int, merge: dict, pdl: dict) -> None:
+    """The merge launch (`_merge_kernel`): the S partials a (row, query head) of o [B, H_q, S,
+    D] and lse [B, H_q, S] into out [B, H_q, 1, D] and lout [B, H_q, 1], in `merge`'s shape."""
+    B, Hq, _, D = o.shape
     _merge_kernel[(B * Hq, D // merge["BD"] if merge["BD"] else 1)](
         o, lse, out, lout, S, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        HQ=Hq, D=D, **merge, num_warps=4)
-    return out, lout
+        HQ=Hq, D=D, **merge, num_warps=4, **pdl)
 
 
 def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
@@ -1370,19 +1386,12 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     key = _plan_key(st, q, view, start, splits, capturing)
     R = 1
-    if view.shared and splits is None and STAMP is None and BOUND is None:
+    if view.shared and q.shape[0] > 1 and splits is None and STAMP is None and BOUND is None:  # (one row: nothing to share)
         R = shared_rows(q.shape[0], q.shape[1] // st.fmt.num_kv_heads, min(view.shared, st.n_blocks), st.fmt.block_size)
     if R > 1:
         out, lout = _decode_shared(st, view, start, scale, R, capturing, key)
         return out, (lout if return_lse else None)
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is None:
-        st = st._replace(consts=_kernel_consts(st.fmt, st.q, st.pools[3], start, st.gpu, "paged_decode_triton"))
-        plan, cacheable = _decode_plan(st, view, start, scale, splits, capturing)
-        if key is not None and cacheable:
-            if len(_PLANS) >= _PLANS_MAX:  # (a plan per block count: long generations would pile them up)
-                _PLANS.clear()
-            _PLANS[key] = plan
+    plan = _cached_plan(key, st, view, start, scale, splits, capturing)
     o, o_r, lse, out, lout, args = _decode_args(st, view, start, scale, plan)
     hooks = {} if STAMP is None else dict(STAMPS=STAMP)  # diagnostics and experiments, compiled out when None
     if BOUND is not None:  # (experiments: the splits' boundaries from the caller)
@@ -1397,8 +1406,5 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
         out, total_lse = _merge_rotated(o, o_r, lse, st.hmat)
         return out[:, :, None].to(q.dtype), (total_lse if return_lse else None)
     if plan.mode == "launch":
-        B, Hq, _, D = q.shape
-        _merge_kernel[(B * Hq, D // plan.merge["BD"] if plan.merge["BD"] else 1)](
-            o, lse, out, lout, plan.splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            HQ=Hq, D=D, **plan.merge, num_warps=4, **plan.pdl)
+        _merge_launch(o, lse, out, lout, plan.splits, plan.merge, plan.pdl)
     return out, (lout if return_lse else None)
