@@ -6,7 +6,8 @@ Usage (GPU machine, repo root): python3 scripts/diag_generate.py [CONTEXT] [NEW_
 BATCH > 1: a left-padded batch, row i padded by i * CONTEXT // (2 * BATCH) tokens.
 BEAMS > 1: beam search (generate's own prefills every beam's copy of the prompt, graph_decoding
 one a prompt).
---ours: graph_decoding only, with the block tables as they are and as they were before
+--ours: graph_decoding only, whole rows read (the old select keeps no shared blocks, so the
+shared launch is off in both), with the block tables as they are and as they were before
 reorders counted only the blocks rows do not share (each reorder took and dropped a reference
 for every entry of the table, and dropped the device table, rebuilt from the host's lists).
 --shared: graph_decoding only, with attention reading the prompt's blocks once for a group of
@@ -88,7 +89,7 @@ def main(context=4096, new=64, batch=1, beams=1, ours=False, shared=False):
     mask = (torch.arange(context)[None, :] >= pads[:, None]).long().cuda()
     print(f"batch {batch}, padding {pads.tolist()}, beams {beams}")
     toks = {}
-    runs = (("graph_decoding, tables before", graph_decoding, old_tables), ("graph_decoding", graph_decoding, contextlib.nullcontext)) if ours else \
+    runs = (("graph_decoding, tables before", graph_decoding, old_tables), ("graph_decoding", graph_decoding, whole_rows)) if ours else \
         (("graph_decoding, whole rows", graph_decoding, whole_rows), ("graph_decoding", graph_decoding, contextlib.nullcontext)) if shared else \
         (("generate's loop", None, contextlib.nullcontext), ("graph_decoding", graph_decoding, contextlib.nullcontext))
     for name, custom, tables in runs:
