@@ -129,6 +129,11 @@ class BlockTables:
         # under its beams. A reorder leaves their references as they are (`select`), so a
         # beam step costs the blocks the beams do not share, not the whole context.
         self._common = 0
+        # runs of `_run` consecutive rows (a prompt's beams; the whole batch where nothing says
+        # otherwise) and the leading blocks each run's rows hold alike: what attention may read
+        # once for several rows (`shared_runs`)
+        self._run = 0
+        self._run_common = 0
 
     def allocator_for(self, logical: int) -> BlockAllocator:
         return self.sinks if logical < self.sink_blocks else self.blocks
@@ -143,9 +148,22 @@ class BlockTables:
         return len(self.rows[0]) if self.rows else 0
 
     @property
-    def shared_blocks(self) -> int:
-        """Leading logical blocks every row holds alike (the same ids)."""
-        return self._common
+    def shared_runs(self) -> tuple[int, int]:
+        """(rows a run, blocks): the rows fall in runs of that many consecutive rows, and the
+        rows of each run hold their first `blocks` logical blocks alike (the same ids). A
+        repeat of each row k times (beams prefilled once a prompt) makes runs of k rows;
+        reorders within runs keep them, and the blocks only grow until a select mixes runs,
+        a row count changes or a truncate."""
+        return self._run, self._run_common
+
+    def _runs_from(self, run: int, c: int) -> int:
+        """The leading blocks each run of `run` rows holds alike, knowing that the first c are."""
+        if not self.rows or run <= 0:
+            return 0
+        n = len(self.rows[0])
+        while c < n and all(self.rows[r][c] == self.rows[r - r % run][c] for r in range(len(self.rows))):
+            c += 1
+        return c
 
     def ensure_rows(self, n: int) -> None:
         """Start `n` empty rows (only when the table is empty)."""
@@ -154,6 +172,7 @@ class BlockTables:
         if not self.rows:
             self.rows = [[] for _ in range(n)]
             self._common = 0
+            self._run, self._run_common = n, 0
 
     def push(self, groups: Sequence[Sequence[int]], ids: Sequence[int]) -> None:
         """Append block ids[g] to every row in groups[g]. Each id arrives with the one
@@ -172,6 +191,10 @@ class BlockTables:
                 self.rows[r].append(bid)
         if self._common == logical and len(groups) == 1:
             self._common += 1
+        if self._run_common == logical and self._run:  # each run's rows took one id
+            group_of = {r: g for g, group in enumerate(groups) for r in group}
+            if all(group_of[r] == group_of[r - r % self._run] for r in range(self.num_rows)):
+                self._run_common += 1
 
     def select(self, indices: Iterable[int]) -> None:
         """New rows are copies of rows[indices] (reorder, fork, drop, repeat): references
@@ -204,6 +227,22 @@ class BlockTables:
                     alloc.decref(key[1])
         self.rows = new_rows
         self._common = self._common_from(c if new_rows else 0)
+        self._run, self._run_common = self._runs_after(indices, len(old))
+
+    def _runs_after(self, indices: list[int], old_rows: int) -> tuple[int, int]:
+        """Runs of the rows a select made (`shared_runs`): k copies of each old row in turn
+        (a repeat) make runs of k rows holding all their blocks alike; new runs of the old
+        run's size, each drawn from one old run (beam reorders), keep the old runs' blocks
+        as a lower bound; else one run, the whole batch."""
+        n, run = len(indices), self._run
+        if not n:
+            return 0, 0
+        k = n // old_rows if old_rows and n % old_rows == 0 else 0
+        if k > 1 and all(i == r // k for r, i in enumerate(indices)):
+            return k, self.num_blocks
+        if run and n % run == 0 and all(i // run == indices[r - r % run] // run for r, i in enumerate(indices)):
+            return run, self._runs_from(run, self._run_common)
+        return n, self._common
 
     def _common_from(self, c: int) -> int:
         """The leading blocks all rows hold alike, knowing that the first c are."""
@@ -224,11 +263,13 @@ class BlockTables:
                 self.allocator_for(j).decref(bid)
             del row[n_blocks:]
         self._common = min(self._common, n_blocks)
+        self._run_common = min(self._run_common, n_blocks)
 
     def clear(self) -> None:
         self._release(self.rows)
         self.rows = []
         self._common = 0
+        self._run, self._run_common = 0, 0
 
     def _release(self, rows: list[list[int]]) -> None:
         for row in rows:
@@ -248,6 +289,9 @@ class BlockTables:
         blocks all rows hold alike are as many as recorded."""
         common = self._common_from(0)
         assert self._common == common, f"{self._common} leading blocks recorded as held by every row, {common} are"
+        run = self._run
+        assert (run == 0) == (not self.rows) and (not run or self.num_rows % run == 0), f"runs of {run} rows in {self.num_rows}"
+        assert self._run_common == self._runs_from(run, 0), f"{self._run_common} leading blocks recorded as held by each run of {run} rows"
         for alloc, lo, hi in ((self.sinks, 0, self.sink_blocks), (self.blocks, self.sink_blocks, None)):
             held = Counter(bid for row in self.rows for bid in row[lo:hi])
             for bid in range(alloc.capacity):

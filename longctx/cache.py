@@ -452,7 +452,8 @@ class PagedKVCache:
             tail_v=self.tail_v[layer, :, :, :t],
             tail_len=self._static[1] if static else None,
             n_blocks=count,
-            shared=self.tables.shared_blocks,
+            shared=self.tables.shared_runs[1],
+            shared_run=self.tables.shared_runs[0],
         )
 
     def attend(self, layer: int, q: torch.Tensor, start: torch.Tensor | None = None, scale: float | None = None, return_lse: bool = True):
@@ -483,6 +484,7 @@ class PagedKVCache:
         picked = idx.tolist()  # (one read back where the indices are on the device: beam search's, every step)
         if picked == list(range(self.batch_size)):
             return
+        runs = self.tables.shared_runs
         self.tables.select(picked)
         idx = idx.to(self.device)
         if self._table_tensor is not None:  # (its rows follow on the device: rebuilt from the host's lists, 2,048 ids cost ~0.3 ms of host time)
@@ -495,6 +497,9 @@ class PagedKVCache:
             if self._graph_table is not None:  # (its rows follow: a decode graph goes on)
                 table = self._graph_table[0]
                 table.copy_(table.index_select(0, idx))
+                now = self.tables.shared_runs
+                if now[0] != runs[0] or now[1] < runs[1]:  # (a recorded step reads each run's shared blocks once: record anew)
+                    self._graph_table = None
             return
         self.tail_k = self.tail_k.index_select(1, idx)
         self.tail_v = self.tail_v.index_select(1, idx)

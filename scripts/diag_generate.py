@@ -50,6 +50,7 @@ def whole_table_select(self, indices):
     self._release(self.rows)
     self.rows = new_rows
     self._common = 0  # (a lower bound: push keeps it; nothing in the old code read it)
+    self._run, self._run_common = len(new_rows), 0  # (no runs: the shared launch's, which came later, off)
 
 
 @contextlib.contextmanager

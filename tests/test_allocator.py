@@ -77,6 +77,39 @@ def test_a_reorder_counts_only_the_blocks_rows_do_not_share():
     assert t.rows[0] == t.rows[1] and t.rows[0][:1000] == t.rows[3][:1000]
 
 
+def test_runs_of_beams_hold_their_prompt_alike():
+    """Two prompts' beams: a repeat of each row four times makes runs of four rows holding
+    every block alike; the beams' own blocks and reorders within runs keep the prompt's
+    blocks (and a push every run's rows share extends them); a reorder that mixes runs falls
+    back to the whole batch; a truncate cuts them."""
+    t = BlockTables(BlockAllocator(None, "sinks"), BlockAllocator(None, "blocks"), sink_blocks=1)
+    t.ensure_rows(2)
+    assert t.shared_runs == (2, 0)
+    for j in range(10):
+        t.push([[0], [1]], t.allocator_for(j).allocate(2))
+    assert t.shared_runs == (2, 0)  # (two prompts: nothing held alike)
+    t.select([0, 0, 0, 0, 1, 1, 1, 1])
+    assert t.shared_runs == (4, 10)
+    t.push([[0, 1, 2, 3], [4, 5, 6, 7]], t.blocks.allocate(2))  # each run's rows one block: still alike
+    assert t.shared_runs == (4, 11)
+    t.push([[r] for r in range(8)], t.blocks.allocate(8))  # each beam its own
+    assert t.shared_runs == (4, 11)
+    t.select([1, 1, 3, 0, 6, 4, 4, 5])  # beam search's reorder: within each prompt's run
+    assert t.shared_runs == (4, 11)
+    t.select([0, 0, 0, 0, 4, 4, 4, 4])  # beams that agree again: more held alike
+    assert t.shared_runs == (4, 12)
+    t.check()
+    t.truncate(5)
+    assert t.shared_runs == (4, 5)
+    t.select([0, 1, 2, 4, 3, 5, 6, 7])  # rows of two prompts in one run
+    assert t.shared_runs == (8, 0)
+    t.check()
+    t.select([0, 1, 2, 3])  # (a drop of half the rows: one run of them all)
+    assert t.shared_runs == (4, 0) and t.shared_runs[1] == t._common_from(0)
+    t.clear()
+    assert t.shared_runs == (0, 0)
+
+
 class TablesMachine(RuleBasedStateMachine):
     """Random append/fork/reorder/crop/free/clear on block tables; the refcount of every
     block must equal the entries holding it, and nothing may leak or be freed twice."""
@@ -108,6 +141,20 @@ class TablesMachine(RuleBasedStateMachine):
         n = self.t.num_rows
         idx = data.draw(st.lists(st.integers(0, n - 1), min_size=n, max_size=n))
         self.t.select(idx)
+
+    @precondition(lambda self: 0 < self.t.num_rows <= 3)
+    @rule(k=st.integers(2, 3))
+    def repeat(self, k):  # (beams prefilled once a prompt)
+        self.t.select([r for r in range(self.t.num_rows) for _ in range(k)])
+
+    @precondition(lambda self: self.t.num_rows > 0)
+    @rule(data=st.data())
+    def reorder_within_runs(self, data):  # (beam search's reorder)
+        run = self.t.shared_runs[0]
+        idx = [r - r % run + data.draw(st.integers(0, run - 1)) for r in range(self.t.num_rows)]
+        before = self.t.shared_runs
+        self.t.select(idx)
+        assert self.t.shared_runs[0] == before[0] and self.t.shared_runs[1] >= before[1]
 
     @precondition(lambda self: 0 < self.t.num_rows < 6)
     @rule(data=st.data())

@@ -102,6 +102,29 @@ def test_reorder_in_place_moves_the_held_tokens_and_the_graph_table():
     cache.tables.check()
 
 
+def test_views_say_which_rows_hold_their_prompt_alike():
+    """Two prompts repeated for three beams each: views carry the runs (three rows) and the
+    prompt's blocks they hold alike, kept by reorders within runs (the graph table moves in
+    place); a reorder that mixes the runs shrinks them, and drops the graph table, whose
+    recorded steps read each run's shared blocks once."""
+    cache = make()
+    k, v = random_kv(2, 2, 70, 64, seed=4)
+    step(cache, k, v)
+    cache.seal()
+    nb = cache.num_blocks
+    cache.select_rows([0, 0, 0, 1, 1, 1])
+    view = cache.view(0)
+    assert (view.shared_run, view.shared) == (3, nb) and nb > 0
+    k1, v1 = random_kv(6, 2, 1, 64, seed=5)
+    step(cache, k1, v1)
+    table = cache.graph_table()[0]
+    cache.reorder(torch.tensor([2, 0, 0, 5, 3, 4]))
+    assert cache.graph_table()[0] is table and (cache.view(0).shared_run, cache.view(0).shared) == (3, nb)
+    cache.reorder(torch.tensor([0, 1, 3, 2, 4, 5]))
+    assert cache._graph_table is None and (cache.view(0).shared_run, cache.view(0).shared) == (6, 0)
+    cache.tables.check()
+
+
 def test_fork_and_free():
     cache = make()
     k, v = random_kv(2, 2, 40, 64)

@@ -230,34 +230,46 @@ def test_beam_search_with_graph_decoding_replays_graphs(monkeypatch):
     assert torch.equal(eager.sequences, graphed.sequences) and torch.equal(eager.beam_indices, graphed.beam_indices)
 
 
-def test_beams_read_their_prompt_once_through_graphs(monkeypatch):
-    """Four beams over one left-padded prompt through graph_decoding, with the prompt's blocks
-    read once for each group of beams (TUNE["shared_from"] lowered to one block, so that this
-    short prompt takes the shared launch): the sequences, beam indices and logits of
-    generate()'s own eager beam search reading whole rows."""
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_beams_read_their_prompt_once_through_graphs(prompts, monkeypatch):
+    """Four beams over each of one or two left-padded prompts through graph_decoding's CUDA
+    graphs, with each prompt's blocks read once for each group of its beams (TUNE["shared_from"]
+    lowered to one block, so that this short prompt takes the shared launch): the sequences,
+    beam indices and logits of the same decoding reading whole rows.
+
+    (The same decoding, so that only the read differs. generate()'s own beam search prefills
+    each beam's copy of the prompt in one batch of eight rows, whose rounding differs from two
+    rows' by ~1e-6; that flips a few int4 codes, and two prompts' beams then took near-tied
+    candidates in the other order at step 8, both ways of reading alike: scripts/diag_beams.py,
+    notes v35.)"""
     from longctx import graph_decoding
+    from longctx.graphs import GraphDecoder
     from longctx.ops.paged_attention import triton as K
 
     model = tiny_llama(layers=3, heads=8, kv_heads=2, head_dim=64).to("cuda", torch.float32)
-    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(6)).cuda()
-    mask = (torch.arange(300)[None, :] >= 5).long().cuda()
-    shared = []
+    ids = torch.randint(3, 128, (prompts, 300), generator=torch.Generator().manual_seed(6)).cuda()
+    mask = (torch.arange(300)[None, :] >= torch.tensor([5, 0][:prompts])[:, None]).long().cuda()
+    shared, made = [], []
     real = K._decode_shared
     monkeypatch.setattr(K, "_decode_shared", lambda *a, **k: (shared.append(a[4]), real(*a, **k))[1])
+    init = GraphDecoder.__init__
+    monkeypatch.setattr(GraphDecoder, "__init__", lambda self, *a, **k: (made.append(self), init(self, *a, **k))[1])
     outs = []
-    for custom, start in ((None, 0), (graph_decoding, 16)):
+    for start in (0, 16):
         monkeypatch.setitem(K.TUNE, "shared_from", start)
         cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
         with torch.no_grad():
             outs.append(model.generate(input_ids=ids, attention_mask=mask, do_sample=False, num_beams=4, max_new_tokens=40, pad_token_id=0,
-                                       return_dict_in_generate=True, output_logits=True, custom_generate=custom, **cache_kwargs(model, cache)))
+                                       return_dict_in_generate=True, output_logits=True, custom_generate=graph_decoding, graphs=True,
+                                       **cache_kwargs(model, cache)))
         cache.detach()
-        assert bool(shared) == bool(start)  # (whole rows in generate's own run; the shared launch under graphs)
-    assert set(shared) == {2}  # (two groups of two beams: GQA 4, 8 queries a program)
-    eager, graphed = outs
-    a, b = torch.stack(eager.logits), torch.stack(graphed.logits)
+        assert bool(shared) == bool(start)  # (whole rows first; then the shared launch, recorded into the graphs)
+        assert made[-1].replayed == 39
+    assert set(shared) == {2}  # (groups of two beams of one prompt: GQA 4, 8 queries a program)
+    whole, once = outs
+    a, b = torch.stack(whole.logits), torch.stack(once.logits)
     assert (b - a).abs().max().item() <= 1e-3 * a.abs().max().item()
-    assert torch.equal(eager.sequences, graphed.sequences) and torch.equal(eager.beam_indices, graphed.beam_indices)
+    assert torch.equal(whole.sequences, once.sequences) and torch.equal(whole.beam_indices, once.beam_indices)
 
 
 def test_graph_decoder_follows_other_changes_to_the_cache():

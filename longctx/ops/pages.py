@@ -54,9 +54,10 @@ class PagedView:
                  columns that count, the rest being room. A CUDA graph's decode step then
                  outlives a seal (a new column, written in place): the triton decode kernel
                  loads the count, other paths read it back (`host_lengths`).
-    shared:      the leading logical blocks every row holds alike (the same ids: a prompt's
-                 blocks under its beams), which a kernel may read once for several rows; 0 where
-                 none are known. A hint: attention computes the same (up to rounding) either way.
+    shared:      the leading logical blocks the rows of each run (shared_run consecutive rows;
+                 0: all rows) hold alike, the same ids: a prompt's blocks under its beams, which
+                 a kernel may read once for several rows; 0 where none are known. A hint:
+                 attention computes the same (up to rounding) either way.
     Row b's token t (0-based over the whole sequence) is logical block t // P, slot t % P,
     or tail slot t - n_blocks * P.
     """
@@ -71,6 +72,7 @@ class PagedView:
     tail_len: torch.Tensor | None = None
     n_blocks: torch.Tensor | None = None
     shared: int = 0
+    shared_run: int = 0
 
     @property
     def block_size(self) -> int:

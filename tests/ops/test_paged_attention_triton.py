@@ -1084,63 +1084,67 @@ def test_a_strided_start_is_read_by_row(C):
     assert torch.allclose(out.cpu(), ref, atol=1e-4) and torch.allclose(lse.cpu(), ref_lse, atol=1e-4)
 
 
-def _beams(cfg, B, T, own, Hkv, D, dtype, seed):
-    """A one-layer cache as beam search leaves it: a prompt of T tokens prefilled once and its
-    rows repeated B times (the sealed blocks shared), then `own` tokens of each row's own (its
-    own blocks once sealed) and a decode step's token in the tail."""
+def _beams(cfg, B, T, own, Hkv, D, dtype, seed, prompts=1):
+    """A one-layer cache as beam search leaves it: `prompts` prompts of T tokens prefilled
+    once and each row repeated B // prompts times (the sealed blocks shared), then `own`
+    tokens of each row's own (its own blocks once sealed) and a decode step's token in the
+    tail."""
     from longctx.cache import PagedKVCache
 
     g = torch.Generator().manual_seed(seed)
     cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=Hkv, head_dim=D)
-    kv = [torch.randn(1, Hkv, T, D, generator=g).to(dtype) for _ in range(2)]
+    kv = [torch.randn(prompts, Hkv, T, D, generator=g).to(dtype) for _ in range(2)]
     cache.append(0, *kv)
     cache.seal()
-    cache.select_rows([0] * B)
+    cache.select_rows([r // (B // prompts) for r in range(B)])
     for n in (own, 1):
         cache.seal()
         cache.append(0, *[torch.randn(B, Hkv, n, D, generator=g).to(dtype) for _ in range(2)])
     return cache
 
 
-# (B, T, own tokens, Hq, Hkv, D, block, cfg kwargs, starts, queries, R): R, the rows a group
-# of the shared launch takes, from B, G and the queries a program (TUNE["shared_rows"])
+# (B, T, own tokens, Hq, Hkv, D, block, cfg kwargs, starts, queries, R, prompts): R, the rows a
+# group of the shared launch takes, from B, G, the queries a program (TUNE["shared_rows"]) and
+# the runs (B // prompts beams a prompt)
 SHARED_CASES = [
-    (4, 200, 40, 8, 2, 64, 16, dict(bits=4), None, 8, 2),  # (the default: two groups of two beams)
-    (6, 150, 20, 8, 2, 64, 16, dict(bits=8), [3, 3, 3, 9, 9, 9], 16, 3),
-    (8, 130, 33, 2, 2, 64, 16, dict(bits=2, rotate=True), None, 8, 8),
-    (2, 120, 10, 8, 1, 128, 16, dict(bits=16), [5, 5], 16, 2),
-    (4, 300, 70, 8, 2, 64, 32, dict(bits=4, k_bits=8, sink_blocks=2), [0, 7, 0, 40], 16, 4),
-    (4, 257, 30, 12, 4, 64, 16, dict(bits=4, rotate=True, sink_blocks=0), None, 16, 4),  # GQA 3: 12 queries of 16
+    (4, 200, 40, 8, 2, 64, 16, dict(bits=4), None, 8, 2, 1),  # (the default: two groups of two beams)
+    (6, 150, 20, 8, 2, 64, 16, dict(bits=8), [3, 3, 3, 9, 9, 9], 16, 3, 1),
+    (8, 130, 33, 2, 2, 64, 16, dict(bits=2, rotate=True), None, 8, 8, 1),
+    (2, 120, 10, 8, 1, 128, 16, dict(bits=16), [5, 5], 16, 2, 1),
+    (4, 300, 70, 8, 2, 64, 32, dict(bits=4, k_bits=8, sink_blocks=2), [0, 7, 0, 40], 16, 4, 1),
+    (4, 257, 30, 12, 4, 64, 16, dict(bits=4, rotate=True, sink_blocks=0), None, 16, 4, 1),  # GQA 3: 12 queries of 16
+    (8, 160, 20, 8, 2, 64, 16, dict(bits=4), [0, 0, 0, 0, 9, 9, 9, 9], 8, 2, 2),  # two prompts' four beams
+    (6, 140, 30, 2, 2, 64, 16, dict(bits=8), None, 8, 3, 2),  # two prompts' three beams: one group a prompt
 ]
 
 
-@pytest.mark.parametrize("case", SHARED_CASES, ids=lambda c: f"B{c[0]}-T{c[1]}+{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-P{c[6]}-" + KVConfig(**c[7]).describe() + ("-pad" if c[8] else ""))
+@pytest.mark.parametrize("case", SHARED_CASES, ids=lambda c: f"B{c[0]}x{c[11]}-T{c[1]}+{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-P{c[6]}-" + KVConfig(**c[7]).describe() + ("-pad" if c[8] else ""))
 def test_shared_blocks_read_once_for_a_group(case, monkeypatch):
     """Rows that hold their first blocks alike (beams over one prompt) take two launches: the
     shared blocks once for each group of R rows, their queries stacked as one program's, and
-    each row's own blocks and tail; one merge. Against the same kernel over whole rows and the
+    each row's own blocks and tail; one merge; groups within each prompt's run of beams. Against the same kernel over whole rows and the
     reference: every row's output and LSE (rows differ in their queries, their own blocks and
     where padding allows, their starts, so a row's queries or partials sent to another's slot
     fail), with the host's lengths and with the device's (a CUDA graph's view: a wider table
     with its count, the tail's length)."""
     import dataclasses
 
-    B, T, own, Hq, Hkv, D, P, kw, starts, queries, R = case
+    B, T, own, Hq, Hkv, D, P, kw, starts, queries, R, prompts = case
     monkeypatch.setitem(TUNE, "shared_rows", queries)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     cfg = KVConfig(block_size=P, **kw)
-    cache = _beams(cfg, B, T, own, Hkv, D, dtype, seed=T)
+    cache = _beams(cfg, B, T, own, Hkv, D, dtype, seed=T, prompts=prompts)
     view = _to(cache.view(0), DEVICE)
     c = T // P
-    assert view.shared == c and view.block_table.shape[1] == (T + own) // P
+    assert view.shared == c and view.shared_run == B // prompts and view.block_table.shape[1] == (T + own) // P
     q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(T + 1)).to(dtype).to(DEVICE)
     start = torch.tensor(starts, dtype=torch.int32, device=DEVICE) if starts else None
     monkeypatch.setitem(TUNE, "shared_from", 0)
-    assert K.shared_rows(B, Hq // Hkv, c, P) == 1
+    assert K.shared_rows(B, Hq // Hkv, c, P, view.shared_run) == 1
     whole, whole_lse = paged_decode_triton(q, view, start, D**-0.5)
     assert K.LAST["shared"] is None
     monkeypatch.setitem(TUNE, "shared_from", P)
-    assert K.shared_rows(B, Hq // Hkv, c, P) == R
+    assert K.shared_rows(B, Hq // Hkv, c, P, view.shared_run) == R
     ref, ref_lse = paged_attention(q, view, start=start, backend="reference")
     tol = FLOOR[dtype]
     wide = dataclasses.replace(view, block_table=torch.cat([view.block_table, view.block_table[:, :5]], 1),
@@ -1166,6 +1170,9 @@ def test_shared_rows_rule(monkeypatch):
     assert K.shared_rows(4, 4, 127, 64) == 1  # below 8k tokens: whole rows
     assert K.shared_rows(3, 4, 2048, 64) == 1 and K.shared_rows(8, 2, 2048, 64) == 4 and K.shared_rows(6, 1, 2048, 64) == 6
     assert K.shared_rows(4, 8, 2048, 64) == 1 and K.shared_rows(1, 4, 2048, 64) == 1
+    assert K.shared_rows(8, 1, 2048, 64, run=4) == 4 and K.shared_rows(6, 1, 2048, 64, run=3) == 3  # (groups within runs)
+    with pytest.raises(ValueError, match="do not divide"):
+        K.shared_rows(6, 1, 2048, 64, run=4)
     monkeypatch.setitem(TUNE, "shared_rows", 16)
     assert K.shared_rows(8, 4, 2048, 64) == 4 and K.shared_rows(6, 4, 2048, 64) == 3 and K.shared_rows(5, 4, 2048, 64) == 1
     assert K.shared_rows(4, 8, 2048, 64) == 2

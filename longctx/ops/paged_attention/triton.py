@@ -1295,11 +1295,12 @@ def merge_shape(B: int, Hq: int, D: int, sm: int, splits: int) -> dict:
     return dict(S_PAD=max(2, triton.next_power_of_2(splits)), SC=TUNE["merge_chunk"], BD=_merge_cols(D, B * Hq, sm))
 
 
-def shared_rows(batch: int, G: int, shared_blocks: int, block_size: int) -> int:
+def shared_rows(batch: int, G: int, shared_blocks: int, block_size: int, run: int = 0) -> int:
     """Rows a program of the shared blocks' launch takes (R; 1: no such launch, the call reads
-    whole rows): where every row holds its first `shared_blocks` blocks alike (a prompt's under
-    its beams) and they are at least TUNE["shared_from"] tokens, the largest divisor of the
-    batch from 2 whose queries (R x G a KV head) stay within TUNE["shared_rows"]."""
+    whole rows): where the rows of each run of `run` consecutive rows (0: all `batch` rows)
+    hold their first `shared_blocks` blocks alike (a prompt's under its beams) and they are at
+    least TUNE["shared_from"] tokens, the largest divisor of the run from 2 whose queries (R x
+    G a KV head) stay within TUNE["shared_rows"]."""
     for name in ("shared_from", "shared_rows", "shared_warps"):
         v = TUNE[name]
         least = int(name == "shared_warps")
@@ -1307,19 +1308,22 @@ def shared_rows(batch: int, G: int, shared_blocks: int, block_size: int) -> int:
             raise ValueError(f"TUNE[{name!r}] must be an int >= {least}, got {v!r}")
     if not TUNE["shared_from"] or shared_blocks * block_size < TUNE["shared_from"]:
         return 1
-    for r in range(min(batch, TUNE["shared_rows"] // max(1, G)), 1, -1):
-        if batch % r == 0:
+    run = run or batch
+    if batch % run:
+        raise ValueError(f"shared_rows: runs of {run} rows do not divide a batch of {batch}")
+    for r in range(min(run, TUNE["shared_rows"] // max(1, G)), 1, -1):
+        if run % r == 0:
             return r
     return 1
 
 
 def _decode_shared(st: _Setup, view: PagedView, start, scale, R: int, capturing: bool, key):
-    """Decode over rows whose first view.shared blocks are the same ids (beams over their
-    prompt): a launch over those blocks whose programs take the queries of R rows at once, so
-    that a group of rows reads them once (the GPU's L2 did not spare the repeats: four rows
-    sharing 128k tokens took 146 us a layer against 48 for one, notes v34); a launch over each
-    row's other blocks and tail; one merge of both launches' partials. -> (out [B, H_q, 1, D],
-    lse [B, H_q, 1])."""
+    """Decode over rows whose first view.shared blocks are the same ids within each run of
+    view.shared_run rows (beams over their prompt; R divides the run): a launch over those
+    blocks whose programs take the queries of R rows at once, so that a group of rows reads
+    them once (the GPU's L2 did not spare the repeats: four rows sharing 128k tokens took 146 us
+    a layer against 48 for one, notes v34); a launch over each row's other blocks and tail; one
+    merge of both launches' partials. -> (out [B, H_q, 1, D], lse [B, H_q, 1])."""
     q, fmt = st.q, st.fmt
     B, Hq, D = q.shape
     c = min(view.shared, st.n_blocks)
@@ -1387,7 +1391,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     key = _plan_key(st, q, view, start, splits, capturing)
     R = 1
     if view.shared and q.shape[0] > 1 and splits is None and STAMP is None and BOUND is None:  # (one row: nothing to share)
-        R = shared_rows(q.shape[0], q.shape[1] // st.fmt.num_kv_heads, min(view.shared, st.n_blocks), st.fmt.block_size)
+        R = shared_rows(q.shape[0], q.shape[1] // st.fmt.num_kv_heads, min(view.shared, st.n_blocks), st.fmt.block_size, view.shared_run)
     if R > 1:
         out, lout = _decode_shared(st, view, start, scale, R, capturing, key)
         return out, (lout if return_lse else None)
