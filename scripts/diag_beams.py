@@ -1,7 +1,7 @@
 """Where beam search through graph_decoding parts from generate()'s own, step by step.
 
 Usage (repo root): python3 scripts/diag_beams.py [--prompts 2] [--beams 4] [--length 300]
-    [--tokens 40] [--seed 6] [--pads 5,0] [--device cuda]
+    [--tokens 40] [--seed 6] [--pads 5,0] [--device cuda] [--bits 4] [--backend triton] [--graphs-only]
 
 A tiny random Llama (3 layers, 8 query heads, 2 KV heads, head_dim 64, fp32), pages of 16
 tokens (--bits, default 4). The baseline is generate()'s own beam search with the reference
@@ -10,15 +10,17 @@ set TRITON_INTERPRET=1): generate()'s own beam search twice (each beam's copy of
 prefilled apart, so rows share no blocks: whole rows), graph_decoding with eager steps
 (--graphs-only skips them) and, on CUDA, with CUDA graphs, each with the shared launch off
 (TUNE["shared_from"] 0) and on (16: one block). For each run: the largest logit difference to the
-baseline, the first step whose beam choice (sequences or beam indices)
-differs, and each step's largest difference up to that point and just after. A wrong read shows
-as a difference well above rounding at a step whose earlier choices were all equal; a near tie
-shows as rounding-sized differences until the choices part, then large ones.
+baseline, the first step whose beam choice (sequences or beam indices) differs, and each step's
+largest difference up to that point and just after; for a step far above the rest, each row's
+difference and the baseline row nearest each row (two running beams in swapped slots show as a
+swap there). A wrong read shows as a difference well above rounding at a step whose earlier
+choices were all equal; a near tie as rounding-sized differences until the choices part.
 """
 
 import argparse
 
 import torch
+import transformers
 
 from longctx import KVConfig, LongCtxCache, graph_decoding
 from longctx.integrations.transformers import cache_kwargs
@@ -67,8 +69,6 @@ def main():
     pads += [0] * (a.prompts - len(pads))
     mask = (torch.arange(a.length)[None, :] >= torch.tensor(pads)[:, None]).long().to(dev)
     saved = K.TUNE["shared_from"]
-    import transformers
-
     chosen, BACKEND = BACKEND, "reference"
     ref, _ = run(model, ids, mask, a.beams, a.tokens, None, 0)
     BACKEND = chosen
