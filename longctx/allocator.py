@@ -245,13 +245,9 @@ class BlockTables:
         return n, self._common
 
     def _common_from(self, c: int) -> int:
-        """The leading blocks all rows hold alike, knowing that the first c are."""
-        if not self.rows:
-            return 0
-        r0 = self.rows[0]
-        while c < len(r0) and all(r[c] == r0[c] for r in self.rows):
-            c += 1
-        return c
+        """The leading blocks all rows hold alike, knowing that the first c are (one run of
+        every row)."""
+        return self._runs_from(self.num_rows, c)
 
     def truncate(self, n_blocks: int) -> None:
         """Keep the first `n_blocks` logical blocks of every row."""

@@ -783,10 +783,10 @@ TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnre
             shared_from=8192, shared_rows=8, shared_warps=1,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
-# shared_from, shared_rows, shared_warps: where every row holds its first blocks alike (beams over
-# one prompt) and they reach shared_from tokens (0: never), a decode call reads them in a launch
-# of its own whose programs each take a group of rows' queries (at most shared_rows: R = 2 rows
-# of GQA 4), then each row's own blocks and tail in a second launch, and merges both
+# shared_from, shared_rows, shared_warps: where the rows of each run (a prompt's beams,
+# `PagedView.shared_run`) hold their first blocks alike and they reach shared_from tokens (0:
+# never), a decode call reads them in a launch of its own whose programs each take a group of a
+# run's rows' queries (at most shared_rows: R = 2 rows of GQA 4), then each row's own blocks and tail in a second launch, and merges both
 # (`_decode_shared`). The GPU's L2 does not spare the repeats: one layer (Llama-3-8B shape,
 # int4, graph timing, scripts/diag_shared_rows.py, notes v34), 4 rows sharing 128k tokens read
 # whole 146.9 us against 49.1 for one row. Through the shared launch: 8 queries a program on one
