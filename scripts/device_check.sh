@@ -6,6 +6,8 @@
 #   bash scripts/device_check.sh prof                          # ncu of the decode kernel
 #   bash scripts/device_check.sh walk decode_graph             # the page walk's floor, then the bench
 #   AB="side_stages=3 side_skip=False" bash scripts/device_check.sh ab   # kernel times, defaults vs AB's sets, alternating
+#   AB="asm=1" bash scripts/device_check.sh bench_ab          # the bench's whole call, defaults vs AB's sets
+#   TRITON_TAR=.triton/triton-3.8.0.tar.xz bash scripts/device_check.sh ...   # on a carried Triton (scripts/pack_triton.sh)
 #   bash scripts/device_check.sh timeline                      # each decode program's start, page walk and end
 #   bash scripts/device_check.sh greedy                        # see the greedy stage below
 #   bash scripts/device_check.sh diag_greedy                   # where greedy parts between backends
@@ -17,6 +19,13 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# TRITON_TAR=.triton/triton-3.8.0.tar.xz (carry .triton; scripts/pack_triton.sh makes it): every
+# stage runs on that Triton instead of the image's
+if [ -n "${TRITON_TAR:-}" ]; then
+  alt=/tmp/triton_alt/$(basename "$TRITON_TAR" .tar.xz); mkdir -p "$alt"
+  [ -d "$alt/triton" ] || python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$TRITON_TAR" "$alt"
+  export PYTHONPATH=$alt:$PYTHONPATH
+fi
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 STAGES=("$@")
 want_stage() { [ ${#STAGES[@]} -eq 0 ] && return 0; local s; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
@@ -58,6 +67,10 @@ TAIL=60 stage sweep 360 python3 scripts/diag_speed.py "$OUT/diag_speed.json"
 # "KEY=VALUE,KEY=VALUE" sets) in turn, two rounds (scripts/diag_parts.py --ab)
 # shellcheck disable=SC2086
 TAIL=80 stage ab 300 python3 scripts/diag_parts.py int4:4096:1 int4:131072:1 int4:524288:1 int4:32768:8 int8:131072:1 --ab ${AB:-side_stages=3}
+# bench_ab: the bench's own call (graph replays, ratio to SDPA), TUNE's defaults against each set
+# of $AB in alternating rounds (scripts/bench_ab.py)
+# shellcheck disable=SC2086
+TAIL=40 stage bench_ab 400 python3 scripts/bench_ab.py --rounds ${ROUNDS:-2} --ab ${AB:-asm=1}
 # walk: the decode kernel's page walk with no arithmetic, and with 1,280 FMAs a page (the floor
 # the decode targets are measured against, notes v17; scripts/diag_layout.py)
 TAIL=20 stage walk 120 python3 scripts/diag_layout.py 131072 524288 --stages 2 3 --per-step 1 --layouts split --spin 0 40

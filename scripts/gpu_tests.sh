@@ -6,7 +6,7 @@
 #   N=4 bash scripts/gpu_tests.sh tests/ops/test_paged_attention_triton.py
 #   N=4 K="side" bash scripts/gpu_tests.sh tests/ops
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1  # (a Triton put first stays first)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=${N:-4}
 ids=$OUT/test_ids.txt

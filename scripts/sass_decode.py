@@ -51,7 +51,7 @@ def compile_decode(a):
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
                  PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
                  SKIP=bool(a.skip), STAMPS=None, TINY_CODES=bool(a.tiny and a.wp), PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
-    const.update(GRID=0, S_PAD=0, SC=0, BD=0, TAIL_DEV=False, BLOCKS_DEV=False)  # (host lengths, as eager calls pass them)
+    const.update(GRID=0, S_PAD=0, SC=0, BD=0, TAIL_DEV=False, BLOCKS_DEV=False, R=a.rows)  # (host lengths, as eager calls pass them)
     if not a.bounds:
         const["BOUNDS"] = None
     if a.merge == "grid":  # merge programs after the splits in the same grid (TUNE merge "grid")
@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--mask", type=int, default=None, help="side by side: mask the scores (default: the launcher's rule for a "
                     "batch without padding, TUNE side_unmasked)")
     ap.add_argument("--tiny", type=int, default=int(K.TUNE["side_tiny"]), help="side by side: the codes as fp16 subnormals (TUNE side_tiny)")
+    ap.add_argument("--rows", type=int, default=1, help="rows whose queries a program takes together (R: the shared launch of a prompt's beams, TUNE shared_rows // G)")
     ap.add_argument("--bounds", action="store_true", help="the splits' boundaries from a table (the kernel's BOUNDS, scripts/diag_balance.py)")
     ap.add_argument("--pdl", type=int, default=0, help="launched as a programmatic dependent (TUNE pdl)")
     ap.add_argument("--merge-cols", type=int, default=0, help="with --merge-splits or --merge grid: columns a program (0: all)")
