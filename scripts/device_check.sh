@@ -24,6 +24,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -n "${TRITON_TAR:-}" ]; then
   alt=/tmp/triton_alt/$(basename "$TRITON_TAR" .tar.xz); mkdir -p "$alt"
   [ -d "$alt/triton" ] || python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$TRITON_TAR" "$alt"
+  chmod +x "$alt"/triton/backends/*/bin/*
   export PYTHONPATH=$alt:$PYTHONPATH
 fi
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"

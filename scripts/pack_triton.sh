@@ -16,6 +16,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 mkdir "$work/tree" && (cd "$work/tree" && python3 -m zipfile -e "$work"/triton-"$V"-*.whl .)
 t=$work/tree/triton
 strip --strip-unneeded "$t/_C/libtriton.so"
+chmod +x "$t"/backends/*/bin/*   # (zipfile drops the wheel's modes: ptxas must run)
 rm -rf "$t/backends/nvidia/lib/cupti" "$t/backends/nvidia/lib/cupti-blackwell" "$t/backends/nvidia/bin/ptxas-blackwell" \
   "$t/_C/libproton.so" "$t"/instrumentation/*.so
 mkdir -p .triton

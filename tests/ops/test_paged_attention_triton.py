@@ -598,7 +598,7 @@ def test_triton_prefill_with_padding_or_lse_reads_the_pages(monkeypatch):
 
 
 @pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"k16": 2}, {"k16": 3, "pages": 1}, {"k16": 3, "v16": 2}, {"k16": 3, "v16": 2, "pages": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
-                                  {"merge": "launch"}, {"merge": "kernel"}, {"maxnreg": 128}, {"side": 0}, {"asm": 1}, {"asm": 2},
+                                  {"merge": "launch"}, {"merge": "kernel"}, {"maxnreg": 128}, {"side": 0}, {"asm": 4}, {"asm": 2},
                                   {"side_dense": 16}, {"side_stages": 3}, {"side_zdot": 0}, {"side_zdot": 8}, {"merge": "launch", "merge_cols": 16}, {"side_skip": False}],
                          ids=lambda t: "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in t.items()))
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))

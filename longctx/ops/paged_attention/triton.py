@@ -677,7 +677,14 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # itself), side_stages pipeline stages, at most side_programs programs per SM (the compiled
 # kernel's fit decides). side_k16: K's arithmetic there (1: its per-channel scales folded into
 # the query per page, against fp16 1024 + code; 3: K dequantized in 16 bits; 0: fp32). asm: the
-# int4 sub-tiles one inline-PTX block converts (1, 2 or 4; 0: no inline PTX).
+# int4 sub-tiles one inline-PTX block converts (1, 2 or 4; 0: no inline PTX). 1 since notes v37:
+# Triton 3.8 (torch 2.14's pin) leaves the extra results of a several-result inline-PTX block in
+# a blocked layout and moves them into the dots' operand layout through shared memory
+# (sm_90 SASS, int4 side loop: 1,189 instructions a page with 4 against 1,038 with 1; int8
+# 1,259 with 30 spill reloads against 1,089; the shared-rows launch 1,488 against 1,254). ptxas
+# shares the blocks' common shift, so 1 costs 3.6, 3.7 and 3.9 nothing (int4: 1,049 / 1,041 /
+# 1,053 against 1,061 / 1,064 / 1,062 with 4); H200, triton 3.6, the bench's call: asm 1 within
+# the rounds' spread of 4 (128k 46.84, 46.83 against 46.96, 46.39 us).
 # H200, graph timing (scripts/diag_speed.py, notes v12), int4 at 128k / 512k / batch 8 at 32k,
 # side_k16 1: side 1 0.0651 / 0.2521 / 0.1168 ms; side 2 0.0776 / 0.2548 / 0.1371, with asm 1
 # 0.0754 / 0.2433 / 0.1334; side 1 with asm 1 0.0658 / 0.2608 / 0.1207, asm 2 0.0652 / 0.2576 /
@@ -779,7 +786,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # (`tiny_codes_exact`, once a device; a graph captured before any eager call takes the
 # biased and exact codes).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
-            pages=1, words=True, asm=4, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=True, pdl=False,
+            pages=1, words=True, asm=1, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=True, pdl=False,
             shared_from=8192, shared_rows=8, shared_warps=1,
             prefill="auto", prefill_staged_from=1024, prefill_staged_from8=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
