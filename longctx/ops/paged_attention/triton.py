@@ -601,13 +601,16 @@ def _grid_merge(O, LSE, OUT, LOUT, COUNT, pid, e, n_splits, H: tl.constexpr, G: 
     cnt = COUNT + 2 * pid
     # polled with plain volatile loads (an acquire a poll invalidates the SM's L1 each time,
     # under the splits running there), then acquired once: the splits' adds are one release
-    # sequence, so this sees every partial stored before them
+    # sequence, so this sees every partial stored before them. The acquire's count is what the
+    # merge reads as its split count (always n_splits): an add of zero whose result goes unused
+    # is dropped on the way to PTX (triton 3.6: no acquire at all, and on the H200 a second call
+    # merged partials it had read too early), and with it the ordering.
     done = tl.load(cnt, volatile=True)
     while done < n_splits:
         done = tl.load(cnt, volatile=True)
-    tl.atomic_add(cnt, 0, sem="acquire")
+    done = tl.minimum(tl.atomic_add(cnt, 0, sem="acquire"), n_splits)
     # O [B, HQ, n_splits, D] and LSE [B, HQ, n_splits] (contiguous) -> OUT [B, HQ, 1, D], LOUT [B, HQ, 1]
-    _merge_head(O, LSE, OUT, LOUT, pid // H, (pid % H) * G + e // NCB, e % NCB, n_splits, HQ * n_splits * D, n_splits * D, D,
+    _merge_head(O, LSE, OUT, LOUT, pid // H, (pid % H) * G + e // NCB, e % NCB, done, HQ * n_splits * D, n_splits * D, D,
                 HQ * n_splits, n_splits, HQ * D, D, HQ, D, S_PAD, SC, BD, True)
     if tl.atomic_add(cnt + 1, 1, sem="acq_rel") == GRID - 1:
         tl.atomic_xchg(cnt, 0)
