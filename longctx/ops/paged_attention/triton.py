@@ -687,7 +687,8 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # 1,259 with 30 spill reloads against 1,089; the shared-rows launch 1,488 against 1,254). ptxas
 # shares the blocks' common shift, so 1 costs 3.6, 3.7 and 3.9 nothing (int4: 1,049 / 1,041 /
 # 1,053 against 1,061 / 1,064 / 1,062 with 4); H200, triton 3.6, the bench's call: asm 1 within
-# the rounds' spread of 4 (128k 46.84, 46.83 against 46.96, 46.39 us).
+# the rounds' spread of 4 (128k 46.84, 46.83 against 46.96, 46.39 us); on 3.8, int4 128k 46.60
+# against 78.22 us with 4, int8 72.74 against 164.67 (notes v37).
 # H200, graph timing (scripts/diag_speed.py, notes v12), int4 at 128k / 512k / batch 8 at 32k,
 # side_k16 1: side 1 0.0651 / 0.2521 / 0.1168 ms; side 2 0.0776 / 0.2548 / 0.1371, with asm 1
 # 0.0754 / 0.2433 / 0.1334; side 1 with asm 1 0.0658 / 0.2608 / 0.1207, asm 2 0.0652 / 0.2576 /
