@@ -6,7 +6,7 @@
 #   bash scripts/device_check.sh prof                          # ncu of the decode kernel
 #   bash scripts/device_check.sh walk decode_graph             # the page walk's floor, then the bench
 #   AB="side_stages=3 side_skip=False" bash scripts/device_check.sh ab   # kernel times, defaults vs AB's sets, alternating
-#   AB="asm=1" bash scripts/device_check.sh bench_ab          # the bench's whole call, defaults vs AB's sets
+#   AB="asm=4" bash scripts/device_check.sh bench_ab          # the bench's whole call, defaults vs AB's sets
 #   TRITON_TAR=.triton/triton-3.8.0.tar.xz bash scripts/device_check.sh ...   # on a carried Triton (scripts/pack_triton.sh)
 #   bash scripts/device_check.sh timeline                      # each decode program's start, page walk and end
 #   bash scripts/device_check.sh greedy                        # see the greedy stage below
@@ -71,7 +71,7 @@ TAIL=80 stage ab 300 python3 scripts/diag_parts.py int4:4096:1 int4:131072:1 int
 # bench_ab: the bench's own call (graph replays, ratio to SDPA), TUNE's defaults against each set
 # of $AB in alternating rounds (scripts/bench_ab.py)
 # shellcheck disable=SC2086
-TAIL=40 stage bench_ab 400 python3 scripts/bench_ab.py --rounds ${ROUNDS:-2} --ab ${AB:-asm=1}
+TAIL=40 stage bench_ab 400 python3 scripts/bench_ab.py --rounds ${ROUNDS:-2} --ab ${AB:-asm=4}
 # walk: the decode kernel's page walk with no arithmetic, and with 1,280 FMAs a page (the floor
 # the decode targets are measured against, notes v17; scripts/diag_layout.py)
 TAIL=20 stage walk 120 python3 scripts/diag_layout.py 131072 524288 --stages 2 3 --per-step 1 --layouts split --spin 0 40
