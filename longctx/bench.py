@@ -21,8 +21,8 @@ from .errors import BackendUnavailableError
 from .ops.pages import Pages, PagedView
 from .quant import BlockFormat
 
-LLAMA3_8B = dict(heads=32, kv_heads=8, head_dim=128)
-SMOLLM2 = dict(heads=9, kv_heads=3, head_dim=64)
+LLAMA3_8B = dict(heads=32, kv_heads=8, head_dim=128, layers=32)
+SMOLLM2 = dict(heads=9, kv_heads=3, head_dim=64, layers=30)
 SHAPES = {"llama-3-8b": LLAMA3_8B, "smollm2-135m": SMOLLM2}
 # the formats every bench takes by name (KVConfig fields)
 _FORMATS = {"bf16": {"bits": 16}, "int8": {"bits": 8}, "int4": {"bits": 4}, "k8v4": {"bits": 4, "k_bits": 8},
@@ -317,8 +317,9 @@ def _time_chunk(cache, kernels, path: str, q, k, v, T: int, C: int, reps: int) -
 class SealRow:
     name: str
     context: int
-    attend_ms: float  # attention alone, per step
-    step_ms: float  # append one token + attend, in steps that seal nothing
+    layers: int  # layers a step appends to and attends in
+    attend_ms: float  # attention alone, per step (every layer)
+    step_ms: float  # append one token + attend in every layer, in steps that seal nothing
     sealing_step_ms: float  # the same over block_size steps, one of which seals a block
 
     @property
@@ -337,25 +338,36 @@ class SealRow:
 
 
 def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8b", block_size: int = 64, device: str = "cuda",
-               rounds: int = 3) -> list[SealRow]:
-    """What sealing adds to decode, through a real PagedKVCache (one layer) at `context`
-    tokens: the time per step of block_size - 2 steps (append one token, attend) that seal
-    nothing, against the next block_size steps, one of which seals the full tail block;
-    and attention alone. Steps run back to back (no sync between them), so host and GPU
-    overlap as in decoding; best of `rounds` windows each."""
+               rounds: int = 3, layers: int | None = None) -> list[SealRow]:
+    """What sealing adds to decode, through a real PagedKVCache at `context` tokens: the time
+    per step of block_size - 2 steps that seal nothing against the next block_size steps, one
+    of which seals the full tail blocks; and attention alone. A step appends one token and
+    attends in each of `layers` layers (default: the shape's), as a model's decode step does,
+    and the step's first append seals every layer's full tail, as in a model: a seal's host
+    work (one finiteness check and its sync, the index lists) is paid once a step, its
+    quantize launch once a layer. The model's other work (projections, MLP) is left out, so
+    the share is an upper bound of what sealing adds to a whole model's step (`bench e2e`
+    measures that). Steps run back to back (no sync between them), so host and GPU overlap
+    as in decoding; best of `rounds` windows each."""
     from .cache import PagedKVCache
 
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers must be at least 1, got {layers}")
     cfgs, Hq, H, D = _setup("seal", formats, block_size, shape)
+    L = SHAPES[shape]["layers"] if layers is None else layers
     P = block_size
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
     for name, cfg in cfgs.items():
-        cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=H, head_dim=D)
-        for t0 in range(0, context, 16384):
+        cache = PagedKVCache(cfg, num_layers=L, num_kv_heads=H, head_dim=D)
+        for t0 in range(0, context, 16384):  # every layer gets the same tokens: speed does not depend on them
             n = min(16384, context - t0)
-            cache.append(0, torch.randn(1, H, n, D, device=device, dtype=torch.bfloat16, generator=g),
-                         torch.randn(1, H, n, D, device=device, dtype=torch.bfloat16, generator=g))
+            k = torch.randn(1, H, n, D, device=device, dtype=torch.bfloat16, generator=g)
+            v = torch.randn(1, H, n, D, device=device, dtype=torch.bfloat16, generator=g)
+            for layer in range(L):
+                cache.append(layer, k, v)
             cache.seal()
+        del k, v
         q = torch.randn(1, Hq, 1, D, device=device, dtype=torch.bfloat16, generator=g)
         new = torch.randn(P, 2, 1, H, 1, D, device=device, dtype=torch.bfloat16, generator=g)
 
@@ -364,9 +376,10 @@ def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             for i in range(steps):
-                if append:
-                    cache.append(0, new[i % P, 0], new[i % P, 1])
-                cache.attend(0, q, return_lse=False)
+                for layer in range(L):
+                    if append:
+                        cache.append(layer, new[i % P, 0], new[i % P, 1])
+                    cache.attend(layer, q, return_lse=False)
             e.record()
             torch.cuda.synchronize()
             return s.elapsed_time(e) / steps
@@ -376,9 +389,9 @@ def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8
         for _ in range(rounds):
             run((1 - cache.tail_len[0]) % P)  # to one token in the tail: the next P - 1 appends seal nothing
             plain.append(run(P - 2))  # tail 1 -> P - 1
-            sealing.append(run(P))  # tail P - 1 -> P - 1: the second append seals
+            sealing.append(run(P))  # tail P - 1 -> P - 1: the second step's first append seals
         attend = min(run(P, append=False) for _ in range(rounds))
-        rows.append(SealRow(f"longctx {cfg.describe()}", context, attend, min(plain), min(sealing)))
+        rows.append(SealRow(f"longctx {cfg.describe()}", context, L, attend, min(plain), min(sealing)))
         cache.reset()
         del cache
         torch.cuda.empty_cache()

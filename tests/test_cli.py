@@ -49,7 +49,7 @@ def one_line_error(r, args):
 def test_known_errors_are_one_line_with_exit_code_2():
     cases = [["eval", "quality", "--formats", "int9"], ["bench", "decode", "--contexts", "4x"], ["bench", "decode", "--formats", "int5"],
              ["bench", "e2e", "--formats", "int5"], ["bench", "prefill", "--formats", "int5"], ["bench", "prefill", "--paths", "fast"],
-             ["bench", "prefill", "--chunks", "1"]]
+             ["bench", "prefill", "--chunks", "1"], ["bench", "seal", "--formats", "int5"], ["bench", "seal", "--layers", "0"]]
     if not has_quanto():
         cases.append(["eval", "quality", "--quanto"])  # before the model loads or any format runs
     for args in cases:

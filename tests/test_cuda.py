@@ -315,6 +315,34 @@ def test_bench_e2e_times_graph_decoding():
     assert rows[1].compile_s > 0 and all(r.compile_s != r.compile_s for r in rows if r is not rows[1])  # nan elsewhere
 
 
+def test_bench_seal_steps_through_every_layer(monkeypatch):
+    """`bench seal` at a small size: a step appends and attends in every layer (the shape's
+    30 for SmolLM2 by default), and its sealing windows do seal, each seal covering every
+    layer's tail."""
+    from longctx.bench import bench_seal
+    from longctx.cache import PagedKVCache
+
+    sealed = []
+    seal = PagedKVCache.seal
+
+    def counting_seal(self):
+        n = seal(self)
+        if n:
+            sealed.append((self.num_layers, n))
+        return n
+
+    monkeypatch.setattr(PagedKVCache, "seal", counting_seal)
+    rows = bench_seal(context=2048, formats=("int4", "int8"), shape="smollm2-135m", rounds=2)
+    assert [(r.name, r.layers) for r in rows] == [("longctx int4", 30), ("longctx int8", 30)]
+    for r in rows:
+        assert all(0 < t < 1e3 for t in (r.attend_ms, r.step_ms, r.sealing_step_ms))
+    # per format: the fill's one seal of 32 blocks, then one block a seal (warm-up 2, each round's 1 or 2)
+    assert sealed and all(layers == 30 for layers, _ in sealed)
+    assert sorted({n for _, n in sealed}) == [1, 32]
+    rows = bench_seal(context=1024, formats=("int4",), layers=2, rounds=1)
+    assert rows[0].layers == 2
+
+
 def _flash_case(bits: int):
     """A bf16 cache on the GPU (two rows, the second left-padded) and a decode query."""
     from longctx.cache import PagedKVCache

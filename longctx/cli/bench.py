@@ -125,22 +125,32 @@ def prefill(
 def seal(
     context: str = typer.Option("128k", help="tokens in the cache"),
     formats: str = typer.Option("int4", help="longctx formats"),
+    shape: str = typer.Option("llama-3-8b", help="model shape: llama-3-8b or smollm2-135m"),
+    layers: int = typer.Option(None, help="layers a step runs (default: the shape's, 32 for llama-3-8b); 1 charges a seal's per-step host work to one layer"),
     block_size: int = typer.Option(64, help="tokens per page"),
+    as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
 ) -> None:
-    """What sealing adds to a decode step (one layer, real cache), and what appending adds to attention.
+    """What sealing adds to a decode step (append one token and attend in every layer of a real
+    cache, one seal of every layer every block_size steps), and what appending adds to attention.
+
+    The model's projections and MLP are left out, so "sealing adds" is an upper bound of its
+    share of a whole model's step (`bench e2e` measures that).
 
     Example: longctx bench seal --context 128k --formats int4,int8
     """
     from ..bench import bench_seal
 
-    rows = bench_seal(_sizes(context)[0], _names(formats), block_size=block_size)
-    table = Table(title=f"Decode step (one layer): append + attend, with one seal every {block_size} steps")
+    rows = bench_seal(_sizes(context)[0], _names(formats), shape, block_size=block_size, layers=layers)
+    L = rows[0].layers if rows else layers
+    table = Table(title=f"Decode step ({shape}, {L} layers): append + attend, with one seal every {block_size} steps")
     for col in ("format", "context", "attend ms", "step ms (no seal)", "step ms (sealing)", "sealing adds", "appending adds"):
         table.add_column(col, justify="left" if col == "format" else "right")
     for r in rows:
         table.add_row(r.name, f"{r.context:,}", f"{r.attend_ms:.4f}", f"{r.step_ms:.4f}", f"{r.sealing_step_ms:.4f}",
                       f"{r.overhead_pct:+.1f} %", f"{r.append_pct:+.1f} %")
     Console().print(table)
+    if as_json:
+        as_json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
 
 
 @app.command()
