@@ -318,15 +318,16 @@ class SealRow:
     name: str
     context: int
     layers: int  # layers a step appends to and attends in
-    attend_ms: float  # attention alone, per step (every layer)
-    step_ms: float  # append one token + attend in every layer, in steps that seal nothing
-    sealing_step_ms: float  # the same over block_size steps, one of which seals a block
+    block_size: int  # steps between two seals
+    attend_ms: float  # attention alone in every layer, median step
+    step_ms: float  # append one token + attend in every layer: the median step that seals nothing
+    sealing_step_ms: float  # the steps that seal (every layer's full tail), mean
 
     @property
     def overhead_pct(self) -> float:
-        """What sealing adds to the average decode step (its cost spread over the
-        block_size steps between seals)."""
-        return (self.sealing_step_ms / self.step_ms - 1) * 100
+        """What sealing adds to the average decode step: the sealing step's excess over the
+        median step, spread over the block_size steps between seals (`sealing_share`)."""
+        return (self.sealing_step_ms / self.step_ms - 1) * 100 / self.block_size
 
     @property
     def append_pct(self) -> float:
@@ -338,21 +339,23 @@ class SealRow:
 
 
 def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8b", block_size: int = 64, device: str = "cuda",
-               rounds: int = 3, layers: int | None = None) -> list[SealRow]:
-    """What sealing adds to decode, through a real PagedKVCache at `context` tokens: the time
-    per step of block_size - 2 steps that seal nothing against the next block_size steps, one
-    of which seals the full tail blocks; and attention alone. A step appends one token and
-    attends in each of `layers` layers (default: the shape's), as a model's decode step does,
-    and the step's first append seals every layer's full tail, as in a model: a seal's host
-    work (one finiteness check and its sync, the index lists) is paid once a step, its
-    quantize launch once a layer. The model's other work (projections, MLP) is left out, so
-    the share is an upper bound of what sealing adds to a whole model's step (`bench e2e`
-    measures that). Steps run back to back (no sync between them), so host and GPU overlap
-    as in decoding; best of `rounds` windows each."""
+               rounds: int = 4, layers: int | None = None) -> list[SealRow]:
+    """What sealing adds to decode, through a real PagedKVCache at `context` tokens. A step
+    appends one token and attends in each of `layers` layers (default: the shape's), as a
+    model's decode step does; its first append seals every layer's full tail, as in a model,
+    so a seal's host work (one finiteness check and its sync, the index lists) is paid once a
+    step and its quantize launch once a layer. `rounds` x block_size steps run back to back
+    (no sync between them, so host and GPU overlap as in decoding), each step timed on the
+    GPU timeline; the steps that sealed are compared with the median step that did not, as
+    `bench e2e` does for a whole model (`sealing_share`). The model's other work
+    (projections, MLP) is left out, so the share is an upper bound of what sealing adds to a
+    model's step."""
     from .cache import PagedKVCache
 
     if layers is not None and layers < 1:
         raise ValueError(f"layers must be at least 1, got {layers}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     cfgs, Hq, H, D = _setup("seal", formats, block_size, shape)
     L = SHAPES[shape]["layers"] if layers is None else layers
     P = block_size
@@ -371,27 +374,28 @@ def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8
         q = torch.randn(1, Hq, 1, D, device=device, dtype=torch.bfloat16, generator=g)
         new = torch.randn(P, 2, 1, H, 1, D, device=device, dtype=torch.bfloat16, generator=g)
 
-        def run(steps: int, append: bool = True) -> float:
+        def run(steps: int, append: bool = True) -> tuple[list[float], list[bool]]:
+            """Each step's GPU time in ms, and whether it sealed."""
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+            sealed = []
             torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
+            marks[0].record()
             for i in range(steps):
+                before = cache.seals
                 for layer in range(L):
                     if append:
                         cache.append(layer, new[i % P, 0], new[i % P, 1])
                     cache.attend(layer, q, return_lse=False)
-            e.record()
+                marks[i + 1].record()
+                sealed.append(cache.seals != before)
             torch.cuda.synchronize()
-            return s.elapsed_time(e) / steps
+            return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])], sealed
 
         run(2 * P)  # warm-up: the first seals compile their kernel specialization
-        plain, sealing = [], []
-        for _ in range(rounds):
-            run((1 - cache.tail_len[0]) % P)  # to one token in the tail: the next P - 1 appends seal nothing
-            plain.append(run(P - 2))  # tail 1 -> P - 1
-            sealing.append(run(P))  # tail P - 1 -> P - 1: the second step's first append seals
-        attend = min(run(P, append=False) for _ in range(rounds))
-        rows.append(SealRow(f"longctx {cfg.describe()}", context, L, attend, min(plain), min(sealing)))
+        times, sealed = run(rounds * P)  # rounds seals: one every P steps
+        extra, _ = sealing_share(times, sealed, P)
+        step = _median([t for t, s in zip(times, sealed) if not s])
+        rows.append(SealRow(f"longctx {cfg.describe()}", context, L, P, _median(run(P, append=False)[0]), step, step + extra))
         cache.reset()
         del cache
         torch.cuda.empty_cache()
@@ -416,17 +420,21 @@ class E2ERow:
         return asdict(self)
 
 
+def _median(xs: list[float]) -> float:
+    s, n = sorted(xs), len(xs)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
 def sealing_share(step_ms: list[float], sealed: list[bool], block_size: int) -> tuple[float, float]:
     """What sealing adds to decoding, from per-step times of a whole model: (the sealing
     steps' mean excess over the median step that sealed nothing, in ms; that excess spread
     over the block_size steps between two seals, in % of the median step). (nan, nan) when
     no step sealed or every step did."""
-    plain = sorted(t for t, s in zip(step_ms, sealed, strict=True) if not s)
+    plain = [t for t, s in zip(step_ms, sealed, strict=True) if not s]
     seals = [t for t, s in zip(step_ms, sealed, strict=True) if s]
     if not plain or not seals:
         return float("nan"), float("nan")
-    n = len(plain)
-    median = plain[n // 2] if n % 2 else (plain[n // 2 - 1] + plain[n // 2]) / 2
+    median = _median(plain)
     extra = sum(seals) / len(seals) - median
     return extra, 100.0 * extra / (block_size * median)
 

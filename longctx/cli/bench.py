@@ -133,8 +133,10 @@ def seal(
     """What sealing adds to a decode step (append one token and attend in every layer of a real
     cache, one seal of every layer every block_size steps), and what appending adds to attention.
 
-    The model's projections and MLP are left out, so "sealing adds" is an upper bound of its
-    share of a whole model's step (`bench e2e` measures that).
+    Steps are timed one by one on the GPU timeline (median steps; the sealing steps' mean).
+    "sealing adds" is the sealing step's excess over the median step spread over the
+    block_size steps between seals. The model's projections and MLP are left out, so it is an
+    upper bound of sealing's share of a whole model's step (`bench e2e` measures that).
 
     Example: longctx bench seal --context 128k --formats int4,int8
     """
@@ -143,7 +145,7 @@ def seal(
     rows = bench_seal(_sizes(context)[0], _names(formats), shape, block_size=block_size, layers=layers)
     L = rows[0].layers if rows else layers
     table = Table(title=f"Decode step ({shape}, {L} layers): append + attend, with one seal every {block_size} steps")
-    for col in ("format", "context", "attend ms", "step ms (no seal)", "step ms (sealing)", "sealing adds", "appending adds"):
+    for col in ("format", "context", "attend ms", "step ms (no seal)", "sealing step ms", "sealing adds", "appending adds"):
         table.add_column(col, justify="left" if col == "format" else "right")
     for r in rows:
         table.add_row(r.name, f"{r.context:,}", f"{r.attend_ms:.4f}", f"{r.step_ms:.4f}", f"{r.sealing_step_ms:.4f}",
