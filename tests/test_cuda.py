@@ -317,8 +317,8 @@ def test_bench_e2e_times_graph_decoding():
 
 def test_bench_seal_steps_through_every_layer(monkeypatch):
     """`bench seal` at a small size: a step appends and attends in every layer (the shape's
-    30 for SmolLM2 by default), and the timed steps seal once every block_size steps, each
-    seal covering every layer's tail."""
+    30 for SmolLM2 by default), and the timed steps seal once every block_size steps, every
+    seal one of the whole 30-layer cache."""
     from longctx.bench import bench_seal
     from longctx.cache import PagedKVCache
 
