@@ -32,6 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from longctx.ops.backend import TRITON_OPTIONS  # noqa: E402
 from longctx.ops.paged_attention import prefill as PF  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
 
@@ -73,7 +74,8 @@ def compile_decode(a):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or (sig[n] == "i32" and n not in nospec)}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=a.warps, num_stages=a.stages, **({"maxnreg": a.maxnreg} if a.maxnreg else {})))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=a.warps, num_stages=a.stages, **TRITON_OPTIONS,
+                                                                                **({"maxnreg": a.maxnreg} if a.maxnreg else {})))
 
 
 def loops(sass: str):

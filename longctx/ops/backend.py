@@ -9,6 +9,13 @@ import torch
 
 from ..errors import BackendUnavailableError
 
+# Compile options every Triton launch passes. Floating-point contraction (FMA) is asked for by
+# name: Triton 3.9 warns at a launch that leaves it unset, and says 3.10 turns it off by
+# default (ptxas --fmad=false), which would change the kernels' rounding and instruction
+# counts from what their tests and benchmarks measured. On 3.6-3.9 it is the default, so the
+# compiled code is the same.
+TRITON_OPTIONS = dict(enable_fp_fusion=True)
+
 
 def resolve_backend(backend: str, q: torch.Tensor, head_dim: int | None = None, storage: bool = False) -> str:
     """"auto" -> "triton" for CUDA tensors when triton imports and the kernels serve the

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ...quant import hadamard
+from ..backend import TRITON_OPTIONS
 from ..pages import PagedView, kernel_pools
 
 
@@ -113,5 +114,5 @@ def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Ten
     _gather_kernel[(B * H, n)](
         table, shift if shift is not None else table, view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, hmat, out_k, out_v,
         table.stride(0), out_k.stride(0), out_k.stride(1), out_k.stride(2), min(view.n_sink, n),
-        H=H, D=D, P=P, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate, HAS_SHIFT=shift is not None, num_warps=4,
+        H=H, D=D, P=P, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate, HAS_SHIFT=shift is not None, num_warps=4, **TRITON_OPTIONS,
     )

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
+from ..backend import TRITON_OPTIONS
 from ..gather_dequant import gather_dequant
 from ..pages import PagedView
 from .triton import TUNE, _merge_kernel, _merge_rotated, _setup, num_splits
@@ -198,7 +199,7 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
         n_blocks, st.n_sink, tail_len, C, bps, scale, splits,
         BT=bt, M=max(16, triton.next_power_of_2(bt * G)),
         **dict(st.consts, K16=TUNE["prefill_k16"] if st.consts["K16"] else 0, V16=st.consts["V16"] and TUNE["prefill_v16"]),
-        num_warps=TUNE["prefill_warps"], num_stages=TUNE["prefill_stages"],
+        num_warps=TUNE["prefill_warps"], num_stages=TUNE["prefill_stages"], **TRITON_OPTIONS,
     )
     if one:
         return o[:, :, :, 0], (lse[..., 0] if return_lse else None)
@@ -209,5 +210,5 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     lout = torch.empty(B, Hq, C, dtype=torch.float32, device=q.device)
     # every (row, query head, token) is one merge row: HQ=1 and row strides
     _merge_kernel[(B * Hq * C,)](o, lse, out, lout, splits, splits * D, 0, D, splits, 0, D, 0,
-                                 HQ=1, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
+                                 HQ=1, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4, **TRITON_OPTIONS)
     return out, (lout if return_lse else None)

@@ -32,6 +32,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globalti
 
 from ...errors import BackendUnavailableError
 from ...quant import hadamard
+from ..backend import TRITON_OPTIONS
 from ..pages import PagedView, kernel_pools
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
 from .triton_tiles import NEG_BIG, _side_values_folded, _tiny_unit, _unfold_values, _fold, _load_queries, _page_scores, _page_values, _side_scores, _side_values
@@ -891,7 +892,7 @@ def tiny_codes_exact(device: torch.device) -> bool | None:
         return None
     codes, b = _tiny_probe_inputs()
     out = torch.empty(16, 16, dtype=torch.float32, device=device)
-    _tiny_probe_kernel[(1,)](codes.to(device), b.to(device), out, 16, 32, 16, num_warps=1)
+    _tiny_probe_kernel[(1,)](codes.to(device), b.to(device), out, 16, 32, 16, num_warps=1, **TRITON_OPTIONS)
     ok = _tiny_probe_verdict(out.cpu(), codes, b)
     _TINY_OK[key] = ok
     return ok
@@ -1212,7 +1213,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     # programs of one or two pages (short contexts) have nothing for a third stage to prefetch
     short = not sixteen and math.ceil(total / guess) <= 2
     side = _side(fmt, short)
-    opts = dict(num_warps=side or TUNE["num_warps"])
+    opts = dict(num_warps=side or TUNE["num_warps"], **TRITON_OPTIONS)
     if R > 1 and side:  # the shared blocks' launch: a group's R x G queries over more warps (TUNE["shared_warps"])
         opts["num_warps"] = side * TUNE["shared_warps"]
     k16 = _side_k16(half, KS.dtype in (torch.float16, torch.bfloat16)) if side else st.consts["K16"]
@@ -1391,7 +1392,7 @@ def _merge_launch(o, lse, out, lout, S: int, merge: dict, pdl: dict) -> None:
     B, Hq, _, D = o.shape
     _merge_kernel[(B * Hq, D // merge["BD"] if merge["BD"] else 1)](
         o, lse, out, lout, S, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        HQ=Hq, D=D, **merge, num_warps=4, **pdl)
+        HQ=Hq, D=D, **merge, num_warps=4, **pdl, **TRITON_OPTIONS)
 
 
 def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):

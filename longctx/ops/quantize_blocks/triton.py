@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ...quant import BlockFormat, rotate
+from ..backend import TRITON_OPTIONS
 from ..pages import Pages, placeholders
 
 
@@ -192,5 +193,5 @@ def _launch(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, out: dict, ids: 
         VC.stride(0), VC.stride(1), VC.stride(2),
         VS.stride(0), VS.stride(1), VS.stride(2),
         H=fmt.num_kv_heads, P=fmt.block_size, D=fmt.head_dim, GS=fmt.group_size, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
-        SDT=_SDT[fmt.dtype], BITS16=fmt.dtype != torch.float32, HAS_IDS=ids is not None, num_warps=4,
+        SDT=_SDT[fmt.dtype], BITS16=fmt.dtype != torch.float32, HAS_IDS=ids is not None, num_warps=4, **TRITON_OPTIONS,
     )

@@ -1,0 +1,66 @@
+"""Every Triton launch passes `TRITON_OPTIONS` (floating-point contraction asked for by name:
+Triton 3.9 warns when a launch leaves it unset, and says 3.10 turns it off by default)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from longctx import KVConfig  # noqa: E402
+from longctx.ops.backend import TRITON_OPTIONS  # noqa: E402
+from longctx.ops.gather_dequant import gather_dequant  # noqa: E402
+from longctx.ops.gather_dequant import triton as G  # noqa: E402
+from longctx.ops.paged_attention import prefill as PF  # noqa: E402
+from longctx.ops.paged_attention import triton as K  # noqa: E402
+from longctx.ops.quantize_blocks import triton as Q  # noqa: E402
+
+from .test_paged_attention import fill  # noqa: E402
+from .test_paged_attention_triton import _to  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _Spy:
+    """A kernel whose launches (kernel[grid](...) and warmup) record their keywords."""
+
+    def __init__(self, kernel, name: str, seen: list):
+        self.kernel, self.name, self.seen = kernel, name, seen
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kw):
+            self.seen.append((self.name, kw))
+            return launch(*args, **kw)
+
+        return run
+
+    def warmup(self, *args, **kw):
+        self.seen.append((self.name + ".warmup", kw))
+        return self.kernel.warmup(*args, **kw)
+
+    def __getattr__(self, attr):
+        return getattr(self.kernel, attr)
+
+
+def test_every_triton_launch_asks_for_fp_fusion(monkeypatch):
+    assert TRITON_OPTIONS == {"enable_fp_fusion": True}
+    seen = []
+    for module, name in [(K, "_decode_kernel"), (K, "_merge_kernel"), (K, "_tiny_probe_kernel"), (PF, "_prefill_kernel"),
+                         (PF, "_merge_kernel"), (G, "_gather_kernel"), (Q, "_quantize_kernel")]:
+        monkeypatch.setattr(module, name, _Spy(getattr(module, name), ".".join(module.__name__.split(".")[-2:] + [name]), seen))
+    K._TINY_OK.clear()  # the probe runs again (the side loop asks for it)
+    monkeypatch.setitem(K.TUNE, "merge", "launch")  # the merge launch ("auto" merges in the kernel outside CUDA graphs)
+    cfg = KVConfig(bits=4, block_size=16, backend="triton")
+    cache, _, _ = fill(cfg, 1, 200, 8, 2, 64, seed=3)  # 192 tokens: the seal below quantizes 12 blocks
+    cache.seal()
+    view = _to(cache.view(0), DEVICE)
+    q = torch.randn(1, 4, 1, 64).to(DEVICE)
+    K.paged_decode_triton(q, view, None, 0.125, splits=3)  # the decode kernel, then the merge launch (and the probe)
+    PF.paged_prefill_triton(torch.randn(1, 4, 8, 64).to(DEVICE), view, None, 0.125, splits=2)  # prefill, then its merge
+    gather_dequant(view, backend="triton")
+    names = {n for n, _ in seen}
+    assert {"paged_attention.triton._decode_kernel", "paged_attention.triton._merge_kernel", "paged_attention.prefill._prefill_kernel",
+            "paged_attention.prefill._merge_kernel", "gather_dequant.triton._gather_kernel", "quantize_blocks.triton._quantize_kernel"} <= names, names
+    bad = [(n, {k: kw.get(k) for k in TRITON_OPTIONS}) for n, kw in seen if any(kw.get(k) != v for k, v in TRITON_OPTIONS.items())]
+    assert not bad, bad
