@@ -2,11 +2,13 @@
 # Pack a Triton release for the GPU machine, whose image has its own (3.6) and no registry:
 # the manylinux wheel for its Python (3.12), with libtriton.so's debug sections stripped and the
 # parts a Triton kernel launch does not load left out (CUPTI and Blackwell's ptxas, proton, the
-# instrumentation test library), as one tar.xz under the one carry's 64 MiB (3.8.0: 248 MB wheel
-# -> 55 MB). On the device: TRITON_TAR=.triton/triton-3.8.0.tar.xz bash scripts/device_check.sh ...
+# instrumentation test library, AMD's code generator), as one tar.xz under the one carry's 64 MiB
+# (3.8.0: 248 MB wheel -> 55 MB; 3.9.0 -> 55 MB). On the device:
+#   TRITON_TAR=.triton/triton-3.8.0.tar.xz bash scripts/device_check.sh ...
 #   bash scripts/pack_triton.sh 3.8.0        # here, once; writes .triton/triton-3.8.0.tar.xz (ignored)
 # torch's CUDA wheels pin their Triton: 2.12.0 -> 3.7.0, 2.13.0 -> 3.7.1, 2.14.1 -> 3.8.0 (pip's
-# resolver, 2026-12-03); the image's torch 2.11 has 3.6.
+# resolver, 2026-12-03), 2.15.0 -> ~=3.9.0 (its wheel's METADATA, 2026-12-04); the image's torch
+# 2.11 has 3.6.
 set -euo pipefail
 V=${1:?usage: pack_triton.sh VERSION}
 cd "$(dirname "$0")/.."
@@ -17,8 +19,9 @@ mkdir "$work/tree" && (cd "$work/tree" && python3 -m zipfile -e "$work"/triton-"
 t=$work/tree/triton
 strip --strip-unneeded "$t/_C/libtriton.so"
 chmod +x "$t"/backends/*/bin/*   # (zipfile drops the wheel's modes: ptxas must run)
+# (3.9 ships AMD's code generator as its own 100 MB library, loaded only to compile for AMD)
 rm -rf "$t/backends/nvidia/lib/cupti" "$t/backends/nvidia/lib/cupti-blackwell" "$t/backends/nvidia/bin/ptxas-blackwell" \
-  "$t/_C/libproton.so" "$t"/instrumentation/*.so
+  "$t/_C/libproton.so" "$t"/instrumentation/*.so "$t/backends/amd/lib/libtriton_amd_codegen.so"
 mkdir -p .triton
 (cd "$work/tree" && tar cf - triton triton-"$V".dist-info) | xz -6 -T2 > ".triton/triton-$V.tar.xz"
 ls -la ".triton/triton-$V.tar.xz"
