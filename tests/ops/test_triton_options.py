@@ -1,6 +1,11 @@
 """Every Triton launch passes `TRITON_OPTIONS` (floating-point contraction asked for by name:
 Triton 3.9 warns when a launch leaves it unset, and says 3.10 turns it off by default)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -64,3 +69,26 @@ def test_every_triton_launch_asks_for_fp_fusion(monkeypatch):
             "paged_attention.prefill._merge_kernel", "gather_dequant.triton._gather_kernel", "quantize_blocks.triton._quantize_kernel"} <= names, names
     bad = [(n, {k: kw.get(k) for k in TRITON_OPTIONS}) for n, kw in seen if any(kw.get(k) != v for k, v in TRITON_OPTIONS.items())]
     assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_kernel_compiles_with_fp_fusion_whatever_triton_defaults_to():
+    """With TRITON_DEFAULT_FP_FUSION=0 (the default Triton 3.10 announces), the compiled decode
+    kernel still has FP contraction on. In a fresh process: a kernel compiled earlier in this
+    one (same keywords) would come from the in-memory cache whatever the default."""
+    code = """
+import torch
+from longctx import KVConfig
+from longctx.bench import synthetic_view
+from longctx.ops.paged_attention import paged_attention
+from longctx.ops.paged_attention import triton as K
+q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+paged_attention(q, synthetic_view(1, 8192, 8, 128, KVConfig(bits=4, block_size=64), "cuda"), backend="triton")
+print(K.LAST["kernel"].metadata.enable_fp_fusion)
+"""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="0", PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), root])))
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split()[-1] == "True", p.stdout
