@@ -57,7 +57,7 @@ def test_every_triton_launch_asks_for_fp_fusion(monkeypatch):
     K._TINY_OK.clear()  # the probe runs again (the side loop asks for it)
     monkeypatch.setitem(K.TUNE, "merge", "launch")  # the merge launch ("auto" merges in the kernel outside CUDA graphs)
     cfg = KVConfig(bits=4, block_size=16, backend="triton")
-    cache, _, _ = fill(cfg, 1, 200, 8, 2, 64, seed=3)  # 192 tokens: the seal below quantizes 12 blocks
+    cache, _, _ = fill(cfg, 1, 200, 8, 2, 64, seed=3)  # the appends and the seal quantize 12 blocks of 16
     cache.seal()
     view = _to(cache.view(0), DEVICE)
     q = torch.randn(1, 4, 1, 64).to(DEVICE)
@@ -66,7 +66,8 @@ def test_every_triton_launch_asks_for_fp_fusion(monkeypatch):
     gather_dequant(view, backend="triton")
     names = {n for n, _ in seen}
     assert {"paged_attention.triton._decode_kernel", "paged_attention.triton._merge_kernel", "paged_attention.prefill._prefill_kernel",
-            "paged_attention.prefill._merge_kernel", "gather_dequant.triton._gather_kernel", "quantize_blocks.triton._quantize_kernel"} <= names, names
+            "paged_attention.prefill._merge_kernel", "gather_dequant.triton._gather_kernel", "quantize_blocks.triton._quantize_kernel",
+            "paged_attention.triton._tiny_probe_kernel"} <= names, names
     bad = [(n, {k: kw.get(k) for k in TRITON_OPTIONS}) for n, kw in seen if any(kw.get(k) != v for k, v in TRITON_OPTIONS.items())]
     assert not bad, bad
 
