@@ -352,6 +352,8 @@ def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8
     model's step."""
     from .cache import PagedKVCache
 
+    if context < 1:
+        raise ValueError(f"context must be at least 1 token, got {context}")
     if layers is not None and layers < 1:
         raise ValueError(f"layers must be at least 1, got {layers}")
     if rounds < 1:

@@ -49,13 +49,16 @@ def one_line_error(r, args):
 def test_known_errors_are_one_line_with_exit_code_2():
     cases = [["eval", "quality", "--formats", "int9"], ["bench", "decode", "--contexts", "4x"], ["bench", "decode", "--formats", "int5"],
              ["bench", "e2e", "--formats", "int5"], ["bench", "prefill", "--formats", "int5"], ["bench", "prefill", "--paths", "fast"],
-             ["bench", "prefill", "--chunks", "1"], ["bench", "seal", "--formats", "int5"], ["bench", "seal", "--layers", "0"]]
+             ["bench", "prefill", "--chunks", "1"], ["bench", "seal", "--formats", "int5"], ["bench", "seal", "--layers", "0"],
+             ["bench", "seal", "--context", "0"]]
     if not has_quanto():
         cases.append(["eval", "quality", "--quanto"])  # before the model loads or any format runs
     for args in cases:
         line = one_line_error(runner.invoke(app, args), args)
         if "--quanto" in args:
             assert "pip install optimum-quanto" in line, line
+        if args[:2] == ["bench", "seal"] and args[2] in ("--layers", "--context"):  # checked before the CUDA check
+            assert f"{args[2][2:]} must be at least 1" in line, line
 
 
 def test_main_entry_point_exits_2_on_known_errors():
