@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pack a Triton release for the GPU machine, whose image has its own (3.6) and no registry:
 # the manylinux wheel for its Python (3.12), with libtriton.so's debug sections stripped and the
-# parts a Triton kernel launch does not load left out (CUPTI and Blackwell's ptxas, proton, the
+# parts a Triton kernel launch does not load left out (CUPTI, the ptxas sm_90 does not run, proton, the
 # instrumentation test library, AMD's code generator), as one tar.xz under the one carry's 64 MiB
 # (3.8.0: 248 MB wheel -> 55 MB; 3.9.0 -> 55 MB). On the device:
 #   TRITON_TAR=.triton/triton-3.8.0.tar.xz bash scripts/device_check.sh ...
@@ -20,7 +20,25 @@ t=$work/tree/triton
 strip --strip-unneeded "$t/_C/libtriton.so"
 chmod +x "$t"/backends/*/bin/*   # (zipfile drops the wheel's modes: ptxas must run)
 # (3.9 ships AMD's code generator as its own 100 MB library, loaded only to compile for AMD)
-rm -rf "$t/backends/nvidia/lib/cupti" "$t/backends/nvidia/lib/cupti-blackwell" "$t/backends/nvidia/bin/ptxas-blackwell" \
+# Of its two ptxas, keep the one an sm_90 compile runs: 3.8 takes ptxas-blackwell from sm_100 on,
+# 3.9 from sm_90 on (a 3.9 pack without it failed every compile on the H200: "Cannot find
+# ptxas-blackwell"). Asked of the release's own get_ptxas, run with stand-in knobs.
+hopper=$(python3 - "$t/backends/nvidia/compiler.py" <<'PY'
+import ast, sys, types
+tree = ast.parse(open(sys.argv[1]).read())
+fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_ptxas")
+fn.returns = None
+for a in fn.args.args:
+    a.annotation = None
+tools = types.SimpleNamespace(ptxas="ptxas", ptxas_blackwell="ptxas-blackwell")
+scope = {"knobs": types.SimpleNamespace(nvidia=tools)}
+exec(compile(ast.Module([fn], []), "get_ptxas", "exec"), scope)
+print(scope["get_ptxas"](90))
+PY
+)
+case $hopper in ptxas) drop=ptxas-blackwell ;; ptxas-blackwell) drop=ptxas ;; *) echo "get_ptxas(90) gave '$hopper'"; exit 1 ;; esac
+echo "sm_90 compiles with $hopper; leaving out $drop"
+rm -rf "$t/backends/nvidia/lib/cupti" "$t/backends/nvidia/lib/cupti-blackwell" "$t/backends/nvidia/bin/$drop" \
   "$t/_C/libproton.so" "$t"/instrumentation/*.so "$t/backends/amd/lib/libtriton_amd_codegen.so"
 mkdir -p .triton
 (cd "$work/tree" && tar cf - triton triton-"$V".dist-info) | xz -6 -T2 > ".triton/triton-$V.tar.xz"

@@ -11,16 +11,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from longctx import KVConfig  # noqa: E402
+from longctx import KVConfig, PagedKVCache  # noqa: E402
 from longctx.ops.backend import TRITON_OPTIONS  # noqa: E402
 from longctx.ops.gather_dequant import gather_dequant  # noqa: E402
 from longctx.ops.gather_dequant import triton as G  # noqa: E402
 from longctx.ops.paged_attention import prefill as PF  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
 from longctx.ops.quantize_blocks import triton as Q  # noqa: E402
+from longctx.testing import random_kv  # noqa: E402
 
-from .test_paged_attention import fill  # noqa: E402
-from .test_paged_attention_triton import _to  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -57,9 +56,14 @@ def test_every_triton_launch_asks_for_fp_fusion(monkeypatch):
     K._TINY_OK.clear()  # the probe runs again (the side loop asks for it)
     monkeypatch.setitem(K.TUNE, "merge", "launch")  # the merge launch ("auto" merges in the kernel outside CUDA graphs)
     cfg = KVConfig(bits=4, block_size=16, backend="triton")
-    cache, _, _ = fill(cfg, 1, 200, 8, 2, 64, seed=3)  # the appends and the seal quantize 12 blocks of 16
+    # the appends and the seal quantize 12 blocks of 16, on the device (the triton backend runs on
+    # CPU tensors only under the interpreter)
+    k, v = random_kv(1, 2, 200, 64, seed=3)
+    cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=2, head_dim=64)
+    for t0, t1 in [(0, 37), (37, 192), (192, 200)]:
+        cache.append(0, k[:, :, t0:t1].to(DEVICE), v[:, :, t0:t1].to(DEVICE))
     cache.seal()
-    view = _to(cache.view(0), DEVICE)
+    view = cache.view(0)
     q = torch.randn(1, 4, 1, 64).to(DEVICE)
     K.paged_decode_triton(q, view, None, 0.125, splits=3)  # the decode kernel, then the merge launch (and the probe)
     PF.paged_prefill_triton(torch.randn(1, 4, 8, 64).to(DEVICE), view, None, 0.125, splits=2)  # prefill, then its merge
