@@ -18,6 +18,7 @@ CASES = [
     (2, 90, 2, 64, 16, dict(bits=4)),
     (1, 200, 1, 128, 64, dict(bits=8)),
     (2, 70, 2, 64, 16, dict(bits=2, rotate=True)),
+    (2, 70, 2, 64, 16, dict(bits=2)),  # unrotated int2: four sub-tiles joined into channel order
     (2, 100, 3, 64, 32, dict(bits=4, rotate=True)),
     (1, 90, 2, 64, 16, dict(bits=4, k_bits=8)),
     (1, 90, 2, 64, 16, dict(bits=4, k_bits=16)),

@@ -51,24 +51,39 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
         NG: tl.constexpr = D // GS
         offs_s = tl.arange(0, DS)
         x = tl.load(CODES + bh * P * DS + offs_p[:, None] * DS + offs_s[None, :]).to(tl.int32)
-        acc = tl.zeros((P, D), tl.float32)
-        for r in tl.static_range(PER):
-            chan = PER * offs_s + r  # channels of sub-tile r
-            if PER_TOKEN:  # V: [N, H, P, D/GS], group of channel c is c // GS
-                sc_off = bh * P * NG + offs_p[:, None] * NG + (chan // GS)[None, :]
-                val = _code_f32(x, r, BITS) * tl.load(SCALE + sc_off).to(tl.float32) + tl.load(ZERO + sc_off).to(tl.float32)
-            else:  # K: [N, H, D], per channel
-                val = _code_f32(x, r, BITS) * tl.load(SCALE + bh * D + chan).to(tl.float32)[None, :] + tl.load(ZERO + bh * D + chan).to(tl.float32)[None, :]
-            if ROTATE:  # x @ H = sum over sub-tiles r of x_r @ H[chan_r, :]
+        if ROTATE:
+            acc = tl.zeros((P, D), tl.float32)
+            for r in tl.static_range(PER):
+                chan = PER * offs_s + r  # channels of sub-tile r
+                if PER_TOKEN:  # V: [N, H, P, D/GS], group of channel c is c // GS
+                    sc_off = bh * P * NG + offs_p[:, None] * NG + (chan // GS)[None, :]
+                    val = _code_f32(x, r, BITS) * tl.load(SCALE + sc_off).to(tl.float32) + tl.load(ZERO + sc_off).to(tl.float32)
+                else:  # K: [N, H, D], per channel
+                    val = _code_f32(x, r, BITS) * tl.load(SCALE + bh * D + chan).to(tl.float32)[None, :] + tl.load(ZERO + bh * D + chan).to(tl.float32)[None, :]
+                # x @ H = sum over sub-tiles r of x_r @ H[chan_r, :]
                 hm = tl.load(HMAT + chan[:, None] * D + offs_d[None, :])
                 acc += tl.dot(val, hm, input_precision="ieee")
-            else:
-                tl.store(OUT + out_rows + chan[None, :], val.to(OUT.dtype.element_ty), mask=keep)
-        if ROTATE:
             tl.store(OUT + out_rows + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=keep)
+        else:
+            # the codes of the whole page in channel order (sub-tile r holds channels PER*i + r),
+            # so that the scales load and the output stores along D: stored a sub-tile at a
+            # time, at a stride of PER channels, triton 3.6 laid the stores out along tokens (a
+            # 2-byte store a lane, 256 bytes apart) and the gather ran ~9x slower on the H200
+            # than triton 3.9's (128k tokens, int4: 4.1 against 0.47 ms with SDPA, notes v39)
+            code = _code_f32(x, 0, BITS)
+            if PER == 2:
+                code = tl.reshape(tl.join(code, _code_f32(x, 1, BITS)), (P, D))
+            elif PER == 4:  # join(join(c0, c2), join(c1, c3)): [P, DS, 2, 2], index 2a + c is r
+                code = tl.reshape(tl.join(tl.join(code, _code_f32(x, 2, BITS)), tl.join(_code_f32(x, 1, BITS), _code_f32(x, 3, BITS))), (P, D))
+            if PER_TOKEN:  # V: [N, H, P, D/GS], group of channel c is c // GS
+                sc_off = bh * P * NG + offs_p[:, None] * NG + (offs_d // GS)[None, :]
+                val = code * tl.load(SCALE + sc_off).to(tl.float32) + tl.load(ZERO + sc_off).to(tl.float32)
+            else:  # K: [N, H, D], per channel
+                val = code * tl.load(SCALE + bh * D + offs_d).to(tl.float32)[None, :] + tl.load(ZERO + bh * D + offs_d).to(tl.float32)[None, :]
+            tl.store(OUT + out_rows + offs_d[None, :], val.to(OUT.dtype.element_ty), mask=keep)
 
 
-@triton.jit(do_not_specialize=["stride_tb", "s_ob", "s_oh", "n_sink"])  # they change per call
+@triton.jit(do_not_specialize=["stride_tb", "n_sink"])  # they change per call
 def _gather_kernel(TABLE, SHIFT, SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, HMAT, OK, OV,
                    stride_tb, s_ob, s_oh, s_ot, n_sink,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
