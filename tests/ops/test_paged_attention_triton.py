@@ -1057,9 +1057,8 @@ def test_prefill_kernel_within_budget(case, dtype):
 def test_prefill_path(monkeypatch):
     fmt = {bits: fill(KVConfig(bits=bits, block_size=16), 1, 20, 4, 1, 64)[0].view(0).pages.fmt for bits in (4, 8, 16)}
     staged_from = TUNE["prefill_staged_from"]
-    assert prefill.prefill_path(staged_from - 1, fmt[4]) == "kernel" and prefill.prefill_path(staged_from, fmt[4]) == "staged"
-    from8 = TUNE["prefill_staged_from8"]
-    assert prefill.prefill_path(from8 - 1, fmt[8]) == "kernel" and prefill.prefill_path(from8, fmt[8]) == "staged"
+    for bits in (4, 8):
+        assert prefill.prefill_path(staged_from - 1, fmt[bits]) == "kernel" and prefill.prefill_path(staged_from, fmt[bits]) == "staged"
     assert prefill.prefill_path(8, fmt[16]) == "staged"  # the kernel not measured on 16-bit pages
     monkeypatch.setitem(TUNE, "prefill", "kernel")
     assert prefill.prefill_path(10**6, fmt[16]) == "kernel"

@@ -156,18 +156,18 @@ def _prefill_kernel(
 def prefill_path(chunk: int, fmt) -> str:
     """"kernel" or "staged" for a prefill chunk of `chunk` queries over pages of format `fmt`
     (a BlockFormat), by TUNE["prefill"]; "auto" takes the kernel where it measured faster
-    (H200, whole chunk steps of `longctx bench prefill` at 128k, notes/decode-kernel.md v10,
-    v11): with a side of 4 bits or fewer, chunks under prefill_staged_from tokens (int4: 1.61
-    against 5.74 ms for 16 tokens, 7.96-8.11 against 8.83-9.00 for 512; 2,048 and longer
-    staged); with 8 bits, chunks under prefill_staged_from8 (int8: 1.90 against 2.21 ms for
-    16 tokens, 2.22 against 2.48 for 64; staged 3.87 against 4.48 for 256). 16-bit pages
-    stage: the kernel was not measured on them."""
+    (H200, whole chunk steps of `longctx bench prefill` at 128k, notes/decode-kernel.md v39):
+    chunks under prefill_staged_from tokens of pages with a side of 8 bits or fewer (int4:
+    1.99 against 2.29 ms for 16 tokens, 2.36 against 2.54 for 64; staged 3.33 against 4.41
+    for 256 and 4.52-4.72 against 7.30-7.57 for 512; int8 alike). 16-bit pages stage: the
+    kernel was not measured on them. (Until the gather wrote whole rows, v39, staging lost
+    to the kernel up to 1,024 int4 tokens.)"""
     option = TUNE["prefill"]
     if option not in ("auto", "kernel", "staged"):
         raise ValueError(f"TUNE['prefill'] must be 'auto', 'kernel' or 'staged', got {option!r}")
     if option == "auto":
         bits = min(fmt.k_bits, fmt.v_bits)
-        below = TUNE["prefill_staged_from"] if bits <= 4 else TUNE["prefill_staged_from8"] if bits == 8 else 0
+        below = TUNE["prefill_staged_from"] if bits <= 8 else 0
         return "kernel" if chunk < below else "staged"
     return option
 
