@@ -66,10 +66,10 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
             tl.store(OUT + out_rows + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=keep)
         else:
             # the codes of the whole page in channel order (sub-tile r holds channels PER*i + r),
-            # so that the scales load and the output stores along D: stored a sub-tile at a
-            # time, at a stride of PER channels, triton 3.6 laid the stores out along tokens (a
-            # 2-byte store a lane, 256 bytes apart) and the gather ran ~9x slower on the H200
-            # than triton 3.9's (128k tokens, int4: 4.1 against 0.47 ms with SDPA, notes v39)
+            # so that the scales load and the output stores along D, 16 bytes a lane. Stored a
+            # sub-tile at a time, at a stride of PER channels, triton 3.6 laid the stores out
+            # along tokens (a 2-byte store a lane, a row apart): on the H200, the bench's
+            # dequantize-all then SDPA at 128k took 4.12 ms, against 0.337 now (notes v39)
             code = _code_f32(x, 0, BITS)
             if PER == 2:
                 code = tl.reshape(tl.join(code, _code_f32(x, 1, BITS)), (P, D))
