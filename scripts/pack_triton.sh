@@ -3,7 +3,7 @@
 # the manylinux wheel for its Python (3.12), with libtriton.so's debug sections stripped and the
 # parts a Triton kernel launch does not load left out (CUPTI, the ptxas sm_90 does not run, proton, the
 # instrumentation test library, AMD's code generator), as one tar.xz under the one carry's 64 MiB
-# (3.8.0: 248 MB wheel -> 55 MB; 3.9.0 -> 55 MB). On the device:
+# (3.8.0: 248 MB wheel -> 55 MB; 3.9.0 -> 59 MB). On the device:
 #   TRITON_TAR=.triton/triton-3.8.0.tar.xz bash scripts/device_check.sh ...
 #   bash scripts/pack_triton.sh 3.8.0        # here, once; writes .triton/triton-3.8.0.tar.xz (ignored)
 # torch's CUDA wheels pin their Triton: 2.12.0 -> 3.7.0, 2.13.0 -> 3.7.1, 2.14.1 -> 3.8.0 (pip's
