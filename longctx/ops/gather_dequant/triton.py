@@ -31,6 +31,17 @@ def _code_f32(x, r: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _scaled(code, SCALE, ZERO, bh, offs_p, chan, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr,
+            PER_TOKEN: tl.constexpr):
+    """code [P, len(chan)] (fp32) * scale + zero of the block's channels `chan`."""
+    if PER_TOKEN:  # V: [N, H, P, D/GS], group of channel c is c // GS
+        sc_off = bh * P * NG + offs_p[:, None] * NG + (chan // GS)[None, :]
+        return code * tl.load(SCALE + sc_off).to(tl.float32) + tl.load(ZERO + sc_off).to(tl.float32)
+    else:  # K: [N, H, D], per channel
+        return code * tl.load(SCALE + bh * D + chan).to(tl.float32)[None, :] + tl.load(ZERO + bh * D + chan).to(tl.float32)[None, :]
+
+
+@triton.jit
 def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, out_rows, keep,
           H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
           PER_TOKEN: tl.constexpr, ROTATE: tl.constexpr):
@@ -55,11 +66,7 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
             acc = tl.zeros((P, D), tl.float32)
             for r in tl.static_range(PER):
                 chan = PER * offs_s + r  # channels of sub-tile r
-                if PER_TOKEN:  # V: [N, H, P, D/GS], group of channel c is c // GS
-                    sc_off = bh * P * NG + offs_p[:, None] * NG + (chan // GS)[None, :]
-                    val = _code_f32(x, r, BITS) * tl.load(SCALE + sc_off).to(tl.float32) + tl.load(ZERO + sc_off).to(tl.float32)
-                else:  # K: [N, H, D], per channel
-                    val = _code_f32(x, r, BITS) * tl.load(SCALE + bh * D + chan).to(tl.float32)[None, :] + tl.load(ZERO + bh * D + chan).to(tl.float32)[None, :]
+                val = _scaled(_code_f32(x, r, BITS), SCALE, ZERO, bh, offs_p, chan, P, D, NG, GS, PER_TOKEN)
                 # x @ H = sum over sub-tiles r of x_r @ H[chan_r, :]
                 hm = tl.load(HMAT + chan[:, None] * D + offs_d[None, :])
                 acc += tl.dot(val, hm, input_precision="ieee")
@@ -75,11 +82,7 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
                 code = tl.reshape(tl.join(code, _code_f32(x, 1, BITS)), (P, D))
             elif PER == 4:  # join(join(c0, c2), join(c1, c3)): [P, DS, 2, 2], index 2a + c is r
                 code = tl.reshape(tl.join(tl.join(code, _code_f32(x, 2, BITS)), tl.join(_code_f32(x, 1, BITS), _code_f32(x, 3, BITS))), (P, D))
-            if PER_TOKEN:  # V: [N, H, P, D/GS], group of channel c is c // GS
-                sc_off = bh * P * NG + offs_p[:, None] * NG + (offs_d // GS)[None, :]
-                val = code * tl.load(SCALE + sc_off).to(tl.float32) + tl.load(ZERO + sc_off).to(tl.float32)
-            else:  # K: [N, H, D], per channel
-                val = code * tl.load(SCALE + bh * D + offs_d).to(tl.float32)[None, :] + tl.load(ZERO + bh * D + offs_d).to(tl.float32)[None, :]
+            val = _scaled(code, SCALE, ZERO, bh, offs_p, offs_d, P, D, NG, GS, PER_TOKEN)
             tl.store(OUT + out_rows + offs_d[None, :], val.to(OUT.dtype.element_ty), mask=keep)
 
 
