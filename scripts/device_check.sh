@@ -58,6 +58,9 @@ TAIL=14 stage e2e 420 python3 -m longctx bench e2e --context 128k --formats int4
 TAIL=12 stage seal 90 python3 -m longctx bench seal --context 128k --formats int4,int8
 TAIL=24 stage prefill 200 python3 -m longctx bench prefill --contexts 32k,128k --chunks 512,2k,16k --json "$OUT/prefill.json"
 TAIL=30 stage prefill_short 150 python3 -m longctx bench prefill --contexts 128k --chunks 16,64,256,512 --json "$OUT/prefill_short.json"
+# prefill_rot: the same over rotated pages (int4+rot, and int2, rotated by default), whose gather
+# rotates each page back with a dot
+TAIL=30 stage prefill_rot 200 python3 -m longctx bench prefill --contexts 128k --chunks 16,64,256,512,2k,16k --formats int4+rot,int2 --json "$OUT/prefill_rot.json"
 TAIL=40 stage diag_prefill 240 python3 scripts/diag_prefill.py int4
 TAIL=12 stage decode_b8 90 python3 -m longctx bench decode --graph --contexts 32k --batch 8 --formats int4,int8,bf16 --json "$OUT/decode_b8.json"
 # decode_p128: the same bench with pages of 128 tokens (a format choice: K's scales over 128 tokens)

@@ -2,9 +2,12 @@
 
 One program per (row, KV head, logical block). Codes become fp32 without int->float
 conversion instructions (the bit trick of the decode kernel), are scaled in fp32 and stored
-in the output's dtype; rotated pages are rotated back in the kernel by an fp32 dot with the
+in the output's dtype; rotated pages are rotated back in the kernel by a dot with the
 Hadamard matrix, one sub-tile of channels at a time (rows r, r+PER, ... of H), so packed
-channels are never interleaved in registers. The output may be a slice of a larger staging
+channels are never interleaved in registers. That dot is 3xTF32 (each fp32 operand split
+into a tf32 head and tail, three tensor-core products): fp32's accuracy within a few ulps,
+where an "ieee" dot ran as fp32 FMAs, ~50,000 sm_90 instructions a program against ~5,000
+(triton 3.6; notes/decode-kernel.md v40). The output may be a slice of a larger staging
 buffer (prefill writes the past and then the tail into one buffer), or a permuted view of one
 laid out token-major ([B, T, H, D], as flash-attn's pages are). With a shift per row, row b's
 token t lands at position t - shift[b] and tokens t < shift[b] are not written (the `flash`
@@ -69,7 +72,7 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
                 val = _scaled(_code_f32(x, r, BITS), SCALE, ZERO, bh, offs_p, chan, P, D, NG, GS, PER_TOKEN)
                 # x @ H = sum over sub-tiles r of x_r @ H[chan_r, :]
                 hm = tl.load(HMAT + chan[:, None] * D + offs_d[None, :])
-                acc += tl.dot(val, hm, input_precision="ieee")
+                acc += tl.dot(val, hm, input_precision="tf32x3")
             tl.store(OUT + out_rows + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=keep)
         else:
             # the codes of the whole page in channel order (sub-tile r holds channels PER*i + r),
