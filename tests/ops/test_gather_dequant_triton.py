@@ -54,6 +54,29 @@ def test_triton_gather_matches_reference(case, dtype):
             assert (got != ref).double().mean().item() < 0.01  # identical almost everywhere
 
 
+@pytest.mark.parametrize("scale", [2.0**-30, 2.0**24], ids=["tiny", "huge"])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_triton_gather_rotates_values_far_from_one(bits, scale):
+    """Rotated pages of values far outside fp16's range (fp32 cache): the kernel's fp16 dot
+    takes the tile into range by a power of two and back, so each value keeps fp32's relative
+    accuracy, measured against the value's own scale."""
+    from longctx.cache import PagedKVCache
+    from longctx.testing import random_kv
+
+    cfg = KVConfig(bits=bits, rotate=True, block_size=16)
+    k, v = random_kv(2, 2, 70, 64, seed=bits)
+    cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=2, head_dim=64)
+    cache.append(0, k * scale, v * scale)
+    cache.seal()
+    view = cache.view(0)
+    ref = gather_dequant(view, backend="reference", out_dtype=torch.float32)
+    got = gather_dequant(_to(view, DEVICE), backend="triton", out_dtype=torch.float32)
+    for g, r in zip(got, ref):
+        assert r.abs().max().item() > scale  # the values are at their scale, not flushed
+        err = ((g.cpu().double() - r.double()).abs() / r.double().abs().clamp_min(scale)).max().item()
+        assert err <= 1e-5, err
+
+
 def test_auto_is_reference_on_cpu_tensors():
     cfg = KVConfig(bits=4, block_size=16)
     cache, _, _ = fill(cfg, 1, 40, 1, 2, 64)

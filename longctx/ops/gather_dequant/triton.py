@@ -3,20 +3,23 @@
 One program per (row, KV head, logical block). Codes become fp32 without int->float
 conversion instructions (the bit trick of the decode kernel), are scaled in fp32 and stored
 in the output's dtype; rotated pages are rotated back in the kernel by a dot with the
-Hadamard matrix, one sub-tile of channels at a time (rows r, r+PER, ... of H), so packed
-channels are never interleaved in registers. That dot is 3xTF32 (each fp32 operand split
-into a tf32 head and tail, three tensor-core products): fp32's accuracy within a few ulps,
-where an "ieee" dot ran as fp32 FMAs, ~50,000 sm_90 instructions a program against ~5,000
-(triton 3.6; notes/decode-kernel.md v40). The output may be a slice of a larger staging
-buffer (prefill writes the past and then the tail into one buffer), or a permuted view of one
-laid out token-major ([B, T, H, D], as flash-attn's pages are). With a shift per row, row b's
-token t lands at position t - shift[b] and tokens t < shift[b] are not written (the `flash`
-backend drops left padding this way).
+Hadamard matrix's signs, one sub-tile of channels at a time (rows r, r+PER, ... of H), so
+packed channels are never interleaved in registers. That dot runs on fp16 tensor cores at
+fp32's accuracy: the tile's values, scaled by a power of two into fp16's range, are split into
+an fp16 head and tail, and each is multiplied by the exact +-1 signs with fp32 sums (then
+1/sqrt(D) and the power of two are taken back out). An "ieee" fp32 dot ran as FMAs, ~50,000
+sm_90 instructions a program (notes/decode-kernel.md v40). The output may be a slice of a
+larger staging buffer (prefill writes the past and then the tail into one buffer), or a
+permuted view of one laid out token-major ([B, T, H, D], as flash-attn's pages are). With a
+shift per row, row b's token t lands at position t - shift[b] and tokens t < shift[b] are not
+written (the `flash` backend drops left padding this way).
 
 Never imports the reference; tests/ops/test_gather_dequant.py compares the two.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -45,9 +48,19 @@ def _scaled(code, SCALE, ZERO, bh, offs_p, chan, P: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
+def _pow2_into_f16(amax):
+    """2^k (fp32) with amax * 2^k in [2^14, 2^15): values up to amax, so scaled, are fp16
+    normals down to 2^-28 of amax, and their fp16 tails lose at most 2^-39 of it to
+    subnormals. k is held to [-100, 100] (amax 0: the tile is zeros)."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    k = tl.minimum(tl.maximum(14 - e, -100), 100)
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, out_rows, keep,
           H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-          PER_TOKEN: tl.constexpr, ROTATE: tl.constexpr):
+          PER_TOKEN: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr):
     """One side (K or V) of one block: copy a sink or 16-bit page, or dequantize codes. keep:
     [P, 1] mask of the rows to store, or None (all)."""
     offs_d = tl.arange(0, D)
@@ -66,14 +79,24 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
         offs_s = tl.arange(0, DS)
         x = tl.load(CODES + bh * P * DS + offs_p[:, None] * DS + offs_s[None, :]).to(tl.int32)
         if ROTATE:
-            acc = tl.zeros((P, D), tl.float32)
+            # x @ H = sum over sub-tiles r of x_r @ H[chan_r, :]. First the tile's largest
+            # magnitude, then x * 2^k (exact) as fp16 head + tail times the signs of H
+            amax = 0.0
             for r in tl.static_range(PER):
                 chan = PER * offs_s + r  # channels of sub-tile r
                 val = _scaled(_code_f32(x, r, BITS), SCALE, ZERO, bh, offs_p, chan, P, D, NG, GS, PER_TOKEN)
-                # x @ H = sum over sub-tiles r of x_r @ H[chan_r, :]
-                hm = tl.load(HMAT + chan[:, None] * D + offs_d[None, :])
-                acc += tl.dot(val, hm, input_precision="tf32x3")
-            tl.store(OUT + out_rows + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=keep)
+                amax = tl.maximum(amax, tl.max(tl.abs(val)))
+            up = _pow2_into_f16(amax)
+            acc = tl.zeros((P, D), tl.float32)
+            for r in tl.static_range(PER):
+                chan = PER * offs_s + r
+                val = _scaled(_code_f32(x, r, BITS), SCALE, ZERO, bh, offs_p, chan, P, D, NG, GS, PER_TOKEN) * up
+                head = val.to(tl.float16)
+                tail = (val - head.to(tl.float32)).to(tl.float16)
+                signs = tl.load(HMAT + chan[:, None] * D + offs_d[None, :])  # fp16 +-1
+                acc = tl.dot(head, signs, acc)
+                acc = tl.dot(tail, signs, acc)
+            tl.store(OUT + out_rows + offs_d[None, :], (acc * (INV_SQRT_D / up)).to(OUT.dtype.element_ty), mask=keep)
         else:
             # the codes of the whole page in channel order (sub-tile r holds channels PER*i + r),
             # so that the scales load and the output stores along D, 16 bytes a lane. Stored a
@@ -93,7 +116,7 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
 def _gather_kernel(TABLE, SHIFT, SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, HMAT, OK, OV,
                    stride_tb, s_ob, s_oh, s_ot, n_sink,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                   GS: tl.constexpr, ROTATE: tl.constexpr, HAS_SHIFT: tl.constexpr):
+                   GS: tl.constexpr, ROTATE: tl.constexpr, HAS_SHIFT: tl.constexpr, INV_SQRT_D: tl.constexpr):
     pid = tl.program_id(0)
     j = tl.program_id(1)
     b = pid // H
@@ -109,8 +132,14 @@ def _gather_kernel(TABLE, SHIFT, SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ,
         keep = None
     rows = b * s_ob + h * s_oh + t[:, None] * s_ot
     is_sink = j < n_sink
-    _side(SINK_K, KD, KC, KS, KZ, HMAT, OK, blk, h, is_sink, offs_p, rows, keep, H, D, P, K_BITS, GS, False, ROTATE)
-    _side(SINK_V, VD, VC, VS, VZ, HMAT, OV, blk, h, is_sink, offs_p, rows, keep, H, D, P, V_BITS, GS, True, ROTATE)
+    _side(SINK_K, KD, KC, KS, KZ, HMAT, OK, blk, h, is_sink, offs_p, rows, keep, H, D, P, K_BITS, GS, False, ROTATE, INV_SQRT_D)
+    _side(SINK_V, VD, VC, VS, VZ, HMAT, OV, blk, h, is_sink, offs_p, rows, keep, H, D, P, V_BITS, GS, True, ROTATE, INV_SQRT_D)
+
+
+@functools.lru_cache(maxsize=16)
+def _signs(d: int, device: torch.device) -> torch.Tensor:
+    """The normalized Hadamard matrix's signs, +-1 in fp16 [d, d] (exact), once per device."""
+    return torch.where(hadamard(d) > 0, 1.0, -1.0).to(torch.float16).to(device)
 
 
 def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Tensor, shift: torch.Tensor | None = None) -> None:
@@ -131,9 +160,10 @@ def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Ten
     if shift is not None and (shift.shape != (B,) or shift.dtype != torch.int32 or shift.device != table.device):
         raise ValueError(f"gather_dequant_triton: shift must be int32 [B={B}] on {table.device}, got {shift.dtype} {tuple(shift.shape)} on {shift.device}")
     KD, VD, KC, KS, KZ, VC, VS, VZ = kernel_pools(view, "gather_dequant_triton")
-    hmat = hadamard(D, torch.float32, table.device) if fmt.rotate else view.sink_k  # (unread without rotation)
+    hmat = _signs(D, table.device) if fmt.rotate else view.sink_k  # (unread without rotation)
     _gather_kernel[(B * H, n)](
         table, shift if shift is not None else table, view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, hmat, out_k, out_v,
         table.stride(0), out_k.stride(0), out_k.stride(1), out_k.stride(2), min(view.n_sink, n),
-        H=H, D=D, P=P, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate, HAS_SHIFT=shift is not None, num_warps=4, **TRITON_OPTIONS,
+        H=H, D=D, P=P, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate, HAS_SHIFT=shift is not None,
+        INV_SQRT_D=hadamard(D)[0, 0].item(), num_warps=4, **TRITON_OPTIONS,
     )
