@@ -159,18 +159,18 @@ def prefill_path(chunk: int, fmt) -> str:
     (H200, whole chunk steps of `longctx bench prefill` at 128k, notes/decode-kernel.md v39,
     v40): chunks under prefill_staged_from tokens of pages with a side of 8 bits or fewer (int4:
     1.99 against 2.29 ms for 16 tokens, 2.36 against 2.54 for 64; staged 3.33 against 4.41
-    for 256 and 4.52-4.72 against 7.30-7.57 for 512; int8 alike), and of rotated pages under
-    prefill_staged_from_rotated, whose gather also rotates every page back (int4+rot: 4.66 in
-    place against 6.18 staged for 256 tokens; staged 7.63 against 8.13 for 512, 19.4 against
-    28.2 for 2,048; int2 alike). 16-bit pages stage: the kernel was not measured on them.
-    (Until the gather wrote whole rows, v39, staging lost to the kernel up to 1,024 int4
-    tokens.)"""
+    for 256 and 4.52-4.72 against 7.30-7.57 for 512; int8 alike). Rotated pages alike: their
+    gather rotates each page back on tensor cores (int4+rot staged 4.39 against 5.09 for 256,
+    5.41 against 8.94 for 512; int2 4.31 against 5.46 and 5.43 against 9.02). 16-bit pages
+    stage: the kernel was not measured on them. (Until the gather wrote whole rows, v39,
+    staging lost to the kernel up to 1,024 int4 tokens; until it rotated on fp16 tensor
+    cores, v40, int4+rot staged 512 tokens in 61.3 ms.)"""
     option = TUNE["prefill"]
     if option not in ("auto", "kernel", "staged"):
         raise ValueError(f"TUNE['prefill'] must be 'auto', 'kernel' or 'staged', got {option!r}")
     if option == "auto":
         bits = min(fmt.k_bits, fmt.v_bits)
-        below = 0 if bits > 8 else TUNE["prefill_staged_from_rotated"] if fmt.rotate else TUNE["prefill_staged_from"]
+        below = TUNE["prefill_staged_from"] if bits <= 8 else 0
         return "kernel" if chunk < below else "staged"
     return option
 

@@ -794,7 +794,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
             pages=1, words=True, asm=1, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=True, pdl=False,
             shared_from=8192, shared_rows=8, shared_warps=1,
-            prefill="auto", prefill_staged_from=128, prefill_staged_from_rotated=512, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
+            prefill="auto", prefill_staged_from=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # shared_from, shared_rows, shared_warps: where the rows of each run (a prompt's beams,
 # `PagedView.shared_run`) hold their first blocks alike and they reach shared_from tokens (0:
@@ -817,7 +817,7 @@ TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnre
 # three stages or 16-bit dequantization (k16=3, v16) slower; staging 7.62 / 19.1 / 101 (its gather
 # then stored a sub-tile of channels at a time; whole rows since v39: the whole chunk step 4.52 / 16.4 / 99.1).
 # 128 rows and 8 warps take 255 registers: one program per SM (prefill_programs).
-# prefill_staged_from(_rotated): `prefill_path`'s crossovers, for unrotated and rotated pages.
+# prefill_staged_from: `prefill_path`'s crossover.
 STAMP: torch.Tensor | None = None  # diagnostics: int64 [>= programs * 8] for the kernel's STAMPS (scripts/diag_timeline.py)
 BOUND: torch.Tensor | None = None  # experiments: int32 [rows * KV heads, splits + 1], the kernel's BOUNDS (scripts/diag_balance.py)
 LAST: dict = {}  # the last decode kernel launched (compiled: registers, spills; its grid)
