@@ -52,9 +52,11 @@ def test_triton_greedy_equals_reference_on_embedded_model(bits, min_same):
     second token the same logit, 26.25, on the CPU with the reference backend alone), and one
     tie broken the other way sends the two runs down different texts for every later step.
     bf16 is checked step by step by the teacher-forced test below, which holds both backends
-    to the same history. At int4 in fp32 the H200 runs part at the second token, a 4e-4 tie
-    that PyTorch's own math and efficient SDPA kernels also break differently
-    (scripts/diag_greedy.py, notes v30)."""
+    to the same history. At int4 in fp32 the second token is a 4e-4 tie that PyTorch's own
+    math and efficient SDPA kernels break differently (scripts/diag_greedy.py, notes v30):
+    until v39 the triton run parted there (3 of 256 tokens the same). Since its 256-token
+    prefill chunks stage through SDPA, as the reference's do, it breaks that tie as the GPU
+    reference and fp64 attention do, and all 256 tokens are the same (H200, notes v40)."""
     from longctx.eval import default_text
     from longctx.generate import greedy
     from longctx.models import load_model
