@@ -14,7 +14,7 @@ permuted view of one laid out token-major ([B, T, H, D], as flash-attn's pages a
 shift per row, row b's token t lands at position t - shift[b] and tokens t < shift[b] are not
 written (the `flash` backend drops left padding this way).
 
-Never imports the reference; tests/ops/test_gather_dequant.py compares the two.
+Never imports the reference; tests/ops/test_gather_dequant_triton.py compares the two.
 """
 
 from __future__ import annotations
