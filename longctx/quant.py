@@ -92,6 +92,20 @@ def _hadamard_on(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return _hadamard_cpu(d).to(dtype=dtype, device=device)
 
 
+@functools.lru_cache(maxsize=32)
+def hadamard_signs(d: int, device: torch.device) -> torch.Tensor:
+    """The signs of `hadamard(d)`, +-1 in fp16 [d, d] (exact; the matrix is these times
+    1/sqrt(d)), once per (d, device): the Triton kernels multiply by them on fp16 tensor cores
+    or in fp32 and apply 1/sqrt(d) apart. Read-only."""
+    return torch.where(_hadamard_cpu(d) > 0, 1.0, -1.0).to(torch.float16).to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def hadamard_scale(d: int) -> float:
+    """The magnitude of `hadamard(d)`'s entries, 1/sqrt(d) as the fp32 matrix holds it."""
+    return _hadamard_on(d, torch.float32, torch.device("cpu"))[0, 0].item()
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x @ H along the last dim, computed in fp32 and returned in x's dtype. Self-inverse."""
     h = hadamard(x.shape[-1], torch.float32, x.device)

@@ -51,7 +51,7 @@ def test_every_triton_launch_asks_for_fp_fusion(monkeypatch):
     assert TRITON_OPTIONS == {"enable_fp_fusion": True}
     seen = []
     for module, name in [(K, "_decode_kernel"), (K, "_merge_kernel"), (K, "_tiny_probe_kernel"), (PF, "_prefill_kernel"),
-                         (PF, "_merge_kernel"), (G, "_gather_kernel"), (Q, "_quantize_kernel")]:
+                         (PF, "_merge_kernel"), (G, "_gather_kernel"), (Q, "_quantize_kernel"), (K, "_merge_rotated_kernel")]:
         monkeypatch.setattr(module, name, _Spy(getattr(module, name), ".".join(module.__name__.split(".")[-2:] + [name]), seen))
     K._TINY_OK.clear()  # the probe runs again (the side loop asks for it)
     monkeypatch.setitem(K.TUNE, "merge", "launch")  # the merge launch ("auto" merges in the kernel outside CUDA graphs)
@@ -68,10 +68,13 @@ def test_every_triton_launch_asks_for_fp_fusion(monkeypatch):
     K.paged_decode_triton(q, view, None, 0.125, splits=3)  # the decode kernel, then the merge launch (and the probe)
     PF.paged_prefill_triton(torch.randn(1, 4, 8, 64).to(DEVICE), view, None, 0.125, splits=2)  # prefill, then its merge
     gather_dequant(view, backend="triton")
+    rot = PagedKVCache(KVConfig(bits=4, rotate=True, block_size=16, backend="triton"), num_layers=1, num_kv_heads=2, head_dim=64)
+    rot.append(0, k.to(DEVICE), v.to(DEVICE))
+    K.paged_decode_triton(q, rot.view(0), None, 0.125)  # rotated pages: the decode kernel, then the rotated merge
     names = {n for n, _ in seen}
     assert {"paged_attention.triton._decode_kernel", "paged_attention.triton._merge_kernel", "paged_attention.prefill._prefill_kernel",
             "paged_attention.prefill._merge_kernel", "gather_dequant.triton._gather_kernel", "quantize_blocks.triton._quantize_kernel",
-            "paged_attention.triton._tiny_probe_kernel"} <= names, names
+            "paged_attention.triton._tiny_probe_kernel", "paged_attention.triton._merge_rotated_kernel"} <= names, names
     bad = [(n, {k: kw.get(k) for k in TRITON_OPTIONS}) for n, kw in seen if any(kw.get(k) != v for k, v in TRITON_OPTIONS.items())]
     assert not bad, bad
 

@@ -19,13 +19,11 @@ Never imports the reference; tests/ops/test_gather_dequant_triton.py compares th
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ...quant import hadamard
+from ...quant import hadamard_scale, hadamard_signs
 from ..backend import TRITON_OPTIONS
 from ..pages import PagedView, kernel_pools
 
@@ -136,12 +134,6 @@ def _gather_kernel(TABLE, SHIFT, SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ,
     _side(SINK_V, VD, VC, VS, VZ, HMAT, OV, blk, h, is_sink, offs_p, rows, keep, H, D, P, V_BITS, GS, True, ROTATE, INV_SQRT_D)
 
 
-@functools.lru_cache(maxsize=16)
-def _signs(d: int, device: torch.device) -> torch.Tensor:
-    """The normalized Hadamard matrix's signs, +-1 in fp16 [d, d] (exact), once per device."""
-    return torch.where(hadamard(d) > 0, 1.0, -1.0).to(torch.float16).to(device)
-
-
 def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Tensor, shift: torch.Tensor | None = None) -> None:
     """Write the sealed past of `view` into out_k/out_v [B, H, >= n_blocks*P, D] (positions
     0 .. n_blocks*P-1; the rest is left alone). out_k and out_v must share strides and have
@@ -160,10 +152,10 @@ def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Ten
     if shift is not None and (shift.shape != (B,) or shift.dtype != torch.int32 or shift.device != table.device):
         raise ValueError(f"gather_dequant_triton: shift must be int32 [B={B}] on {table.device}, got {shift.dtype} {tuple(shift.shape)} on {shift.device}")
     KD, VD, KC, KS, KZ, VC, VS, VZ = kernel_pools(view, "gather_dequant_triton")
-    hmat = _signs(D, table.device) if fmt.rotate else view.sink_k  # (unread without rotation)
+    hmat = hadamard_signs(D, table.device) if fmt.rotate else view.sink_k  # (unread without rotation)
     _gather_kernel[(B * H, n)](
         table, shift if shift is not None else table, view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, hmat, out_k, out_v,
         table.stride(0), out_k.stride(0), out_k.stride(1), out_k.stride(2), min(view.n_sink, n),
         H=H, D=D, P=P, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate, HAS_SHIFT=shift is not None,
-        INV_SQRT_D=hadamard(D)[0, 0].item(), num_warps=4, **TRITON_OPTIONS,
+        INV_SQRT_D=hadamard_scale(D), num_warps=4, **TRITON_OPTIONS,
     )

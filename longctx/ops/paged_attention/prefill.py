@@ -182,7 +182,7 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     as in decode when the chunk's query blocks alone do not fill the GPU (or into `splits`),
     then merged."""
     st = _setup(q, view, start, "paged_prefill_triton")
-    fmt, qq, qr, hmat, table, n_blocks, tail_len, total = st.fmt, st.q, st.qr, st.hmat, st.table, st.n_blocks, st.tail_len, st.total
+    fmt, qq, qr, table, n_blocks, tail_len, total = st.fmt, st.q, st.qr, st.table, st.n_blocks, st.tail_len, st.total
     B, Hq, C, D = q.shape
     H, G = fmt.num_kv_heads, st.consts["G"]
     tail_k, tail_v = view.tail_k, view.tail_v
@@ -206,11 +206,11 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     )
     if one:
         return o[:, :, :, 0], (lse[..., 0] if return_lse else None)
-    if fmt.rotate:
-        out, total_lse = _merge_rotated(o, o_r, lse, hmat)
-        return out.to(q.dtype), (total_lse[..., 0] if return_lse else None)
     out = torch.empty(B, Hq, C, D, dtype=q.dtype, device=q.device)
     lout = torch.empty(B, Hq, C, dtype=torch.float32, device=q.device)
+    if fmt.rotate:
+        _merge_rotated(o, o_r, lse, out, lout)
+        return out, (lout if return_lse else None)
     # every (row, query head, token) is one merge row: HQ=1 and row strides
     _merge_kernel[(B * Hq * C,)](o, lse, out, lout, splits, splits * D, 0, D, splits, 0, D, 0,
                                  HQ=1, D=D, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4, **TRITON_OPTIONS)
