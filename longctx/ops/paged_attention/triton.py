@@ -10,7 +10,8 @@ programs after the splits in the decode grid instead). No bf16 copy of the cache
 written.
 
 With rotation the sealed pages hold K·H and V·H: their scores use the rotated query, and
-their share of the output is accumulated apart and rotated back once, after the merge.
+their share of the output is accumulated apart and rotated back once, in the merge launch
+that follows (`_merge_rotated`).
 
 The kernel's building blocks (code conversion, page scores and values, the softmax step) are
 in triton_tiles.py, shared with the prefill kernel (prefill.py). Never imports the reference;
