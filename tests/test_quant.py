@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from longctx.quant import dequantize_k, dequantize_v, hadamard, pack_codes, quantize_k, quantize_v, rotate, unpack_codes
+from longctx.quant import dequantize_k, dequantize_v, hadamard, hadamard_scale, hadamard_signs, pack_codes, quantize_k, quantize_v, rotate, unpack_codes
 from longctx.testing import random_kv
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -121,6 +121,14 @@ def test_hadamard_is_orthonormal_and_rotation_self_inverse():
     assert torch.allclose(rotate(q) @ rotate(k), q @ k, atol=1e-4)  # scores unchanged
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard(96)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hadamard_signs_times_scale_is_the_matrix(d):
+    """The kernels' form of H (fp16 signs, 1/sqrt(d) apart) is the fp32 matrix exactly."""
+    signs = hadamard_signs(d, torch.device("cpu"))
+    assert signs.dtype == torch.float16 and set(signs.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(signs.float() * hadamard_scale(d), hadamard(d))
 
 
 def test_rotation_spreads_an_outlier_channel():
