@@ -36,6 +36,8 @@ TAIL=4 stage tests 500 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/o
 TAIL=8 stage host 40 python3 scripts/diag_host.py
 TAIL=16 stage decode_graph 200 python3 -m longctx bench decode --graph --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode_graph.json"
 stage decode 200 python3 -m longctx bench decode --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode.json"
+# decode_rot: rotated pages (int4+rot; int2 is rotated by default) against int4, under graphs
+TAIL=14 stage decode_rot 200 python3 -m longctx bench decode --graph --contexts 4k,128k,512k --batch 1 --formats int4,int4+rot,int2 --json "$OUT/decode_rot.json"
 # graphs: decode steps replayed from CUDA graphs (longctx/graphs.py) against eager steps, the
 # device-side tail length, and bench e2e's graph rows (small), before the e2e stages time them
 TAIL=12 stage graphs 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda.py tests/test_transformers.py tests/ops/test_paged_attention_triton.py -k "graph or bench_e2e or device_tail or plans_are_cached"
