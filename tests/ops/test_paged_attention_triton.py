@@ -850,6 +850,41 @@ def test_unknown_kernel_options_are_refused(tune, monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [1, 5, 37, 131])
+@pytest.mark.parametrize("sm", [4, 132])
+def test_merge_rotated(splits, sm):
+    """The rotated pages' merge launch (`_merge_rotated`) against torch: both sets of partials
+    weighted by their log-sum-exp, the rotated set's merge times H; all splits at once (up to
+    32) or 32 at a time, a program all D columns (sm 4) or blocks of them (sm 132); splits
+    that saw no key weigh nothing, and a row none of whose splits saw a key gets zeros and
+    -inf."""
+    from longctx.ops.paged_attention.triton import _merge_rotated
+    from longctx.quant import hadamard
+
+    B, Hq, D = 2, 3, 64
+    g = torch.Generator().manual_seed(splits * 10 + sm)
+    o, o_r = torch.randn(2, B, Hq, splits, D, generator=g)
+    lse = torch.randn(B, Hq, splits, generator=g) * 4
+    lse[0, 1, ::3] = float("-inf")
+    lse[1, 2] = float("-inf")  # this row saw nothing
+    out = torch.empty(B, Hq, 1, D, dtype=torch.float32)
+    lout = torch.empty(B, Hq, 1, dtype=torch.float32)
+    o, o_r, lse, out, lout = (t.contiguous().to(DEVICE) for t in (o, o_r, lse, out, lout))
+    lout.fill_(7.0)
+    _merge_rotated(o, o_r, lse, out, lout, sm)
+    o, o_r, lse, out, lout = (t.cpu().double() for t in (o, o_r, lse, out, lout))
+    ref_lse = torch.logsumexp(lse, -1)
+    w = torch.exp(lse - torch.where(torch.isfinite(ref_lse), ref_lse, 0.0)[..., None])
+    ref = (o * w[..., None]).sum(-2) + (o_r * w[..., None]).sum(-2) @ hadamard(D, torch.float64)
+    ref = torch.where(torch.isfinite(ref_lse)[..., None], ref, 0.0)
+    assert torch.allclose(out[:, :, 0], ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lout[:, :, 0]), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert torch.allclose(lout[:, :, 0][fin], ref_lse[fin], atol=1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        _merge_rotated(o.transpose(0, 1), o_r, lse, out, lout, sm)
+
+
+@pytest.mark.parametrize("splits", [1, 5, 37, 131])
 @pytest.mark.parametrize("chunk, cols", [(0, 0), (2, 0), (8, 16), (64, 0), (0, 32)])
 def test_merge_kernel_chunks(splits, chunk, cols):
     """The merge launch (TUNE["merge"] "launch", as under CUDA graphs) against torch's

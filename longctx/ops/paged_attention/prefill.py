@@ -209,7 +209,7 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     out = torch.empty(B, Hq, C, D, dtype=q.dtype, device=q.device)
     lout = torch.empty(B, Hq, C, dtype=torch.float32, device=q.device)
     if fmt.rotate:
-        _merge_rotated(o, o_r, lse, out, lout)
+        _merge_rotated(o, o_r, lse, out, lout, st.sm)
         return out, (lout if return_lse else None)
     # every (row, query head, token) is one merge row: HQ=1 and row strides
     _merge_kernel[(B * Hq * C,)](o, lse, out, lout, splits, splits * D, 0, D, splits, 0, D, 0,

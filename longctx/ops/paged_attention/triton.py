@@ -539,12 +539,23 @@ def _store_rows(O, LSE, row0, n, s, out, lse, G: tl.constexpr, GM: tl.constexpr,
 
 
 @triton.jit
+def _unrotate(o_r, SIGNS, offs_d, D: tl.constexpr, INV_SQRT_D: tl.constexpr):
+    """o_r [D] (rotated) @ H at columns offs_d: H's +-1 signs (fp16 [D, D]) in fp32, times
+    1/sqrt(D)."""
+    rows = tl.arange(0, D)
+    return tl.sum(o_r[:, None] * tl.load(SIGNS + rows[:, None] * D + offs_d[None, :]).to(tl.float32), 0) * INV_SQRT_D
+
+
+@triton.jit
 def _merge_head(O, LSE, OUT, LOUT, b, hq, cb, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
-                HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr, BD: tl.constexpr, CG: tl.constexpr):
+                HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr, BD: tl.constexpr, CG: tl.constexpr,
+                OR, SIGNS, ROT: tl.constexpr, INV_SQRT_D: tl.constexpr):
     """Merge the S splits of (row b, query head hq) by log-sum-exp, columns cb * BD .. (all D
     with BD 0): all S_PAD at once, or SC at a time with an online rescale where S_PAD is
     larger (SC > 0). CG reads the partials past L1 (other programs of the same launch wrote
-    them)."""
+    them). ROT (rotated pages): OR holds a second set of partials (strided as O), in the
+    rotated basis; their merge over all D columns is rotated back (`_unrotate`, SIGNS and
+    INV_SQRT_D) and added (OR, SIGNS unread without ROT)."""
     DC: tl.constexpr = BD if BD > 0 else D  # this program's columns
     offs_d = tl.arange(0, DC)
     if BD > 0:
@@ -562,18 +573,30 @@ def _merge_head(O, LSE, OUT, LOUT, b, hq, cb, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l
         o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0,
                     cache_modifier=CM)
         out = tl.sum(o * w[:, None], 0)
+        if ROT:
+            o_r = tl.load(OR + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + tl.arange(0, D)[None, :], mask=smask[:, None],
+                          other=0.0, cache_modifier=CM)
+            out += _unrotate(tl.sum(o_r * w[:, None], 0), SIGNS, offs_d, D, INV_SQRT_D)
     else:
         m_safe = 0.0
         m = float("-inf")
         denom = 0.0
         acc = tl.zeros((DC,), tl.float32)
+        if ROT:
+            acc_r = tl.zeros((D,), tl.float32)
         for s0 in range(0, S, SC):
             offs_s = s0 + tl.arange(0, SC)
             smask = offs_s < S
             lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"), cache_modifier=CM)
             o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0,
                         cache_modifier=CM)
+            if ROT:  # (with the running max and denominator from before this chunk)
+                o_r = tl.load(OR + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + tl.arange(0, D)[None, :], mask=smask[:, None],
+                              other=0.0, cache_modifier=CM)
+                _, _, _, acc_r = _lse_step(lse, o_r, m, denom, acc_r)
             m, m_safe, denom, acc = _lse_step(lse, o, m, denom, acc)
+        if ROT:
+            acc += _unrotate(acc_r, SIGNS, offs_d, D, INV_SQRT_D)
         out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(OUT + b * s_out_b + hq * s_out_h + offs_d, out.to(OUT.dtype.element_ty))
     lout = tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
@@ -614,7 +637,7 @@ def _grid_merge(O, LSE, OUT, LOUT, COUNT, pid, e, n_splits, H: tl.constexpr, G: 
     done = tl.minimum(tl.atomic_add(cnt, 0, sem="acquire"), n_splits)
     # O [B, HQ, n_splits, D] and LSE [B, HQ, n_splits] (contiguous) -> OUT [B, HQ, 1, D], LOUT [B, HQ, 1]
     _merge_head(O, LSE, OUT, LOUT, pid // H, (pid % H) * G + e // NCB, e % NCB, done, HQ * n_splits * D, n_splits * D, D,
-                HQ * n_splits, n_splits, HQ * D, D, HQ, D, S_PAD, SC, BD, True)
+                HQ * n_splits, n_splits, HQ * D, D, HQ, D, S_PAD, SC, BD, True, O, O, False, 1.0)
     if tl.atomic_add(cnt + 1, 1, sem="acq_rel") == GRID - 1:
         tl.atomic_xchg(cnt, 0)
         tl.atomic_xchg(cnt + 1, 0)
@@ -635,7 +658,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
         gdc_launch_dependents()
     pid = tl.program_id(0)
     _merge_head(O, LSE, OUT, LOUT, pid // HQ, pid % HQ, tl.program_id(1), S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
-                HQ, D, S_PAD, SC, BD, False)
+                HQ, D, S_PAD, SC, BD, False, O, O, False, 1.0)
 
 
 # Launch knobs, measured on the H200 (notes/decode-kernel.md); scripts/diag_speed.py sweeps them.
@@ -1108,54 +1131,32 @@ def _device(q) -> int | None:
 
 
 @triton.jit(do_not_specialize=["S"])
-def _merge_rotated_kernel(O, OR, LSE, SIGNS, OUT, LOUT, S, D: tl.constexpr, SC: tl.constexpr, BJ: tl.constexpr,
-                          INV_SQRT_D: tl.constexpr):
-    """Merge one row's S splits (`_merge_rotated`), columns j = program_id(1) * BJ + [0, BJ):
-    weights exp(lse - max) over their sum, the unrotated partials' weighted sum at those
-    columns, plus the rotated partials' (all D columns) times the Hadamard matrix's columns:
-    the signs [D, BJ] in fp32 times 1/sqrt(D). SC splits at a time."""
-    row = tl.program_id(0)
-    jb = tl.program_id(1)
-    offs_c = tl.arange(0, SC)
-    offs_d = tl.arange(0, D)
-    offs_j = jb * BJ + tl.arange(0, BJ)
-    m = tl.full((), float("-inf"), tl.float32)
-    for s0 in range(0, S, SC):
-        m = tl.maximum(m, tl.max(tl.load(LSE + row * S + s0 + offs_c, mask=s0 + offs_c < S, other=float("-inf"))))
-    m = tl.where(m == float("-inf"), 0.0, m)  # (no split saw a key: every weight is 0)
-    denom = tl.zeros((), tl.float32)
-    acc = tl.zeros((BJ,), tl.float32)
-    acc_r = tl.zeros((D,), tl.float32)
-    for s0 in range(0, S, SC):
-        live = s0 + offs_c < S
-        w = tl.exp(tl.load(LSE + row * S + s0 + offs_c, mask=live, other=float("-inf")) - m)
-        denom += tl.sum(w)
-        rows = (row * S + s0 + offs_c)[:, None] * D
-        acc += tl.sum(tl.load(O + rows + offs_j[None, :], mask=live[:, None], other=0.0) * w[:, None], 0)
-        acc_r += tl.sum(tl.load(OR + rows + offs_d[None, :], mask=live[:, None], other=0.0) * w[:, None], 0)
-    signs = tl.load(SIGNS + offs_d[:, None] * D + offs_j[None, :]).to(tl.float32)
-    acc += tl.sum(acc_r[:, None] * signs, 0) * INV_SQRT_D
-    seen = denom > 0
-    inv = tl.where(seen, 1.0 / tl.where(seen, denom, 1.0), 0.0)
-    tl.store(OUT + row * D + offs_j, (acc * inv).to(OUT.dtype.element_ty))
-    if jb == 0:
-        tl.store(LOUT + row, tl.where(seen, m + tl.log(tl.where(seen, denom, 1.0)), float("-inf")))
+def _merge_rotated_kernel(O, OR, LSE, SIGNS, OUT, LOUT, S, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr,
+                          BD: tl.constexpr, INV_SQRT_D: tl.constexpr):
+    """The merge launch for rotated pages (`_merge_rotated`): `_merge_head` with ROT over
+    contiguous rows (row program_id(0), column block program_id(1))."""
+    _merge_head(O, LSE, OUT, LOUT, tl.program_id(0), 0, tl.program_id(1), S, S * D, 0, D, S, 0, D, 0,
+                1, D, S_PAD, SC, BD, False, OR, SIGNS, True, INV_SQRT_D)
 
 
-def _merge_rotated(o, o_r, lse, out, lout) -> None:
+def _merge_rotated(o, o_r, lse, out, lout, sm: int) -> None:
     """Splits' two partial outputs (unrotated o, rotated o_r [..., S, D] fp32, contiguous,
     each normalized on its own) merged by their LSE [..., S] into out [..., D] (any float
-    dtype) and lout [...] (fp32; -inf where no split saw a key), the rotated part rotated back
-    (`_merge_rotated_kernel`): one launch, where a torch merge had taken ~25 small kernels (on
-    the H200 under CUDA graphs, int4+rot decode at 4k 0.076 ms against int4's 0.010; notes v40)."""
+    dtype) and lout [...] (fp32; -inf where no split saw a key), the rotated part rotated back:
+    one launch of the merge (`_merge_rotated_kernel`), where a torch merge had taken ~25 small
+    kernels (on the H200 under CUDA graphs, int4+rot decode at 4k 0.076 ms against int4's
+    0.010; notes v40). The merge launch's shape for the rows (`merge_shape`, sm SMs to fill),
+    its splits read at most 32 at a time: each read takes the rotated partials' D columns."""
     S, D = o.shape[-2], o.shape[-1]
     rows = lse.numel() // S
     for t, n in ((o, rows * S * D), (o_r, rows * S * D), (lse, rows * S), (out, rows * D), (lout, rows)):
         if not t.is_contiguous() or t.numel() != n:
             raise ValueError(f"_merge_rotated: buffers must be contiguous [rows={rows}, S={S}, D={D}] and their merges, got {tuple(t.shape)}")
-    BJ = min(D, 32)
-    _merge_rotated_kernel[(rows, D // BJ)](o, o_r, lse, hadamard_signs(D, o.device), out, lout, S, D=D, SC=32, BJ=BJ,
-                                           INV_SQRT_D=hadamard_scale(D), num_warps=4, **TRITON_OPTIONS)
+    _merge_mode(TUNE["merge"], False)  # (checks the merge's knobs)
+    merge = merge_shape(rows, 1, D, sm, S)
+    merge["SC"] = min(merge["SC"] or 32, 32)
+    _merge_rotated_kernel[(rows, D // merge["BD"] if merge["BD"] else 1)](
+        o, o_r, lse, hadamard_signs(D, o.device), out, lout, S, D=D, **merge, INV_SQRT_D=hadamard_scale(D), num_warps=4, **TRITON_OPTIONS)
 
 
 class _Plan(NamedTuple):
@@ -1398,7 +1399,7 @@ def _decode_shared(st: _Setup, view: PagedView, start, scale, R: int, capturing:
     out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
     lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
     if fmt.rotate:
-        _merge_rotated(o, o_r, lse, out, lout)
+        _merge_rotated(o, o_r, lse, out, lout, st.sm)
         return out, lout
     mk = None if key is None else (key, "merge", R, c)
     merge = _PLANS.get(mk) if mk is not None else None
@@ -1460,7 +1461,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     if plan.merged:
         return o, (lse if return_lse else None)
     if st.fmt.rotate:
-        _merge_rotated(o, o_r, lse, out, lout)
+        _merge_rotated(o, o_r, lse, out, lout, st.sm)
         return out, (lout if return_lse else None)
     if plan.mode == "launch":
         _merge_launch(o, lse, out, lout, plan.splits, plan.merge, plan.pdl)
