@@ -17,6 +17,7 @@ from longctx.ops.gather_dequant import gather_dequant  # noqa: E402
 from longctx.ops.gather_dequant import triton as G  # noqa: E402
 from longctx.ops.paged_attention import prefill as PF  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
+from longctx.ops import rotation as R  # noqa: E402
 from longctx.ops.quantize_blocks import triton as Q  # noqa: E402
 from longctx.testing import random_kv  # noqa: E402
 
@@ -51,7 +52,8 @@ def test_every_triton_launch_asks_for_fp_fusion(monkeypatch):
     assert TRITON_OPTIONS == {"enable_fp_fusion": True}
     seen = []
     for module, name in [(K, "_decode_kernel"), (K, "_merge_kernel"), (K, "_tiny_probe_kernel"), (PF, "_prefill_kernel"),
-                         (PF, "_merge_kernel"), (G, "_gather_kernel"), (Q, "_quantize_kernel"), (K, "_merge_rotated_kernel")]:
+                         (PF, "_merge_kernel"), (G, "_gather_kernel"), (Q, "_quantize_kernel"), (K, "_merge_rotated_kernel"),
+                         (R, "_rotate_kernel")]:
         monkeypatch.setattr(module, name, _Spy(getattr(module, name), ".".join(module.__name__.split(".")[-2:] + [name]), seen))
     K._TINY_OK.clear()  # the probe runs again (the side loop asks for it)
     monkeypatch.setitem(K.TUNE, "merge", "launch")  # the merge launch ("auto" merges in the kernel outside CUDA graphs)
@@ -70,11 +72,11 @@ def test_every_triton_launch_asks_for_fp_fusion(monkeypatch):
     gather_dequant(view, backend="triton")
     rot = PagedKVCache(KVConfig(bits=4, rotate=True, block_size=16, backend="triton"), num_layers=1, num_kv_heads=2, head_dim=64)
     rot.append(0, k.to(DEVICE), v.to(DEVICE))
-    K.paged_decode_triton(q, rot.view(0), None, 0.125)  # rotated pages: the decode kernel, then the rotated merge
+    K.paged_decode_triton(q, rot.view(0), None, 0.125)  # rotated pages: the query's rotation, the decode kernel, the rotated merge
     names = {n for n, _ in seen}
     assert {"paged_attention.triton._decode_kernel", "paged_attention.triton._merge_kernel", "paged_attention.prefill._prefill_kernel",
             "paged_attention.prefill._merge_kernel", "gather_dequant.triton._gather_kernel", "quantize_blocks.triton._quantize_kernel",
-            "paged_attention.triton._tiny_probe_kernel", "paged_attention.triton._merge_rotated_kernel"} <= names, names
+            "paged_attention.triton._tiny_probe_kernel", "paged_attention.triton._merge_rotated_kernel", "ops.rotation._rotate_kernel"} <= names, names
     bad = [(n, {k: kw.get(k) for k in TRITON_OPTIONS}) for n, kw in seen if any(kw.get(k) != v for k, v in TRITON_OPTIONS.items())]
     assert not bad, bad
 

@@ -5,9 +5,9 @@ conversion instructions (the bit trick of the decode kernel), are scaled in fp32
 in the output's dtype; rotated pages are rotated back in the kernel by a dot with the
 Hadamard matrix's signs, one sub-tile of channels at a time (rows r, r+PER, ... of H), so
 packed channels are never interleaved in registers. That dot runs on fp16 tensor cores at
-fp32's accuracy: the tile's values, scaled by a power of two into fp16's range, are split into
-an fp16 head and tail, and each is multiplied by the exact +-1 signs with fp32 sums (then
-1/sqrt(D) and the power of two are taken back out). An "ieee" fp32 dot ran as FMAs, ~50,000
+fp32's accuracy (`rotation.dot_signs`: the tile's values, scaled by a power of two into fp16's
+range, as an fp16 head and tail times the exact +-1 signs, with fp32 sums; 1/sqrt(D) and the
+power of two are taken back out at the end). An "ieee" fp32 dot ran as FMAs, ~50,000
 sm_90 instructions a program (notes/decode-kernel.md v40). The output may be a slice of a
 larger staging buffer (prefill writes the past and then the tail into one buffer), or a
 permuted view of one laid out token-major ([B, T, H, D], as flash-attn's pages are). With a
@@ -26,6 +26,7 @@ import triton.language as tl
 from ...quant import hadamard_scale, hadamard_signs
 from ..backend import TRITON_OPTIONS
 from ..pages import PagedView, kernel_pools
+from ..rotation import dot_signs, pow2_into_f16
 
 
 @triton.jit
@@ -43,16 +44,6 @@ def _scaled(code, SCALE, ZERO, bh, offs_p, chan, P: tl.constexpr, D: tl.constexp
         return code * tl.load(SCALE + sc_off).to(tl.float32) + tl.load(ZERO + sc_off).to(tl.float32)
     else:  # K: [N, H, D], per channel
         return code * tl.load(SCALE + bh * D + chan).to(tl.float32)[None, :] + tl.load(ZERO + bh * D + chan).to(tl.float32)[None, :]
-
-
-@triton.jit
-def _pow2_into_f16(amax):
-    """2^k (fp32) with amax * 2^k in [2^14, 2^15): values up to amax, so scaled, are fp16
-    normals down to 2^-28 of amax, and their fp16 tails lose at most 2^-39 of it to
-    subnormals. k is held to [-100, 100] (amax 0: the tile is zeros)."""
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    k = tl.minimum(tl.maximum(14 - e, -100), 100)
-    return ((k + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -84,16 +75,13 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
                 chan = PER * offs_s + r  # channels of sub-tile r
                 val = _scaled(_code_f32(x, r, BITS), SCALE, ZERO, bh, offs_p, chan, P, D, NG, GS, PER_TOKEN)
                 amax = tl.maximum(amax, tl.max(tl.abs(val)))
-            up = _pow2_into_f16(amax)
+            up = pow2_into_f16(amax)
             acc = tl.zeros((P, D), tl.float32)
             for r in tl.static_range(PER):
                 chan = PER * offs_s + r
                 val = _scaled(_code_f32(x, r, BITS), SCALE, ZERO, bh, offs_p, chan, P, D, NG, GS, PER_TOKEN) * up
-                head = val.to(tl.float16)
-                tail = (val - head.to(tl.float32)).to(tl.float16)
                 signs = tl.load(HMAT + chan[:, None] * D + offs_d[None, :])  # fp16 +-1
-                acc = tl.dot(head, signs, acc)
-                acc = tl.dot(tail, signs, acc)
+                acc = dot_signs(val, signs, acc)  # (fp16 head + tail)
             tl.store(OUT + out_rows + offs_d[None, :], (acc * (INV_SQRT_D / up)).to(OUT.dtype.element_ty), mask=keep)
         else:
             # the codes of the whole page in channel order (sub-tile r holds channels PER*i + r),

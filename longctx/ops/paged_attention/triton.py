@@ -32,9 +32,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 
 from ...errors import BackendUnavailableError
-from ...quant import hadamard, hadamard_scale, hadamard_signs
+from ...quant import hadamard_scale, hadamard_signs
 from ..backend import TRITON_OPTIONS
 from ..pages import PagedView, kernel_pools
+from ..rotation import rotate_triton
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
 from .triton_tiles import NEG_BIG, _side_values_folded, _tiny_unit, _unfold_values, _fold, _load_queries, _page_scores, _page_values, _side_scores, _side_values
 from .triton_tiles import _softmax_step, _step_ids, _zero_state
@@ -1079,7 +1080,11 @@ def _setup(q, view: PagedView, start, who: str, consts: bool = True) -> _Setup:
     B, D = q.shape[0], q.shape[-1]
     if q.stride(-1) != 1:
         q = q.contiguous()
-    qr = (q.float() @ hadamard(D, torch.float32, q.device)).to(q.dtype) if fmt.rotate else q
+    qr = q
+    if fmt.rotate:  # (one launch; torch's q.float() @ H then .to took three)
+        qr = rotate_triton(q)
+        if qr.stride() != q.stride():  # (q not dense: qr is contiguous, and the kernels index both alike)
+            q = q.contiguous()
     table = view.block_table
     n_blocks = table.shape[1]
     if n_blocks == 0:

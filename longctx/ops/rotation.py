@@ -1,0 +1,88 @@
+"""The Hadamard rotation (`quant.hadamard`) in Triton, for the kernels that rotate: the fp16
+tensor-core form of a product with its signs, and a one-launch rotation of rows.
+
+A product with H = signs / sqrt(D) runs on fp16 tensor cores at fp32's accuracy: the values,
+scaled by a power of two into fp16's range, are split into fp16 parts (a head, then what it
+left, ...), each part is multiplied by the exact +-1 signs with fp32 sums, and 1/sqrt(D) and
+the power of two are taken back out at the end. The gather rotates its pages back this way;
+`rotate_triton` rotates the decode and prefill queries of rotated pages in one launch, where
+torch took three (a cast, the fp32 product and a cast back).
+
+Never imports quant's torch rotation for its results; tests/ops/test_rotation.py compares
+`rotate_triton` with fp64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant import hadamard_scale, hadamard_signs
+from .backend import TRITON_OPTIONS
+
+
+@triton.jit
+def pow2_into_f16(amax):
+    """2^k (fp32) with amax * 2^k in [2^14, 2^15): values up to amax, so scaled, are fp16
+    normals down to 2^-28 of amax, and their fp16 tails lose at most 2^-39 of it to
+    subnormals. k is held to [-100, 100] (amax 0: the values are zeros). Elementwise."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    k = tl.minimum(tl.maximum(14 - e, -100), 100)
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot_signs(x, signs, acc, PARTS: tl.constexpr = 2):
+    """acc + x @ signs: x fp32 [M, K] already scaled into fp16's range (`pow2_into_f16`),
+    signs fp16 +-1 [K, N], as PARTS fp16 parts of x on tensor cores with fp32 sums. Two parts
+    hold 22 bits of each value (a 16-bit value whole), three fp32's 24."""
+    rest = x
+    for _ in tl.static_range(PARTS):
+        part = rest.to(tl.float16)
+        acc = tl.dot(part, signs, acc)
+        rest = rest - part.to(tl.float32)
+    return acc
+
+
+@triton.jit(do_not_specialize=["n_rows", "n1", "n2", "sx0", "sx1", "sx2", "sy0", "sy1", "sy2"])
+def _rotate_kernel(X, Y, SIGNS, n_rows, n1, n2, sx0, sx1, sx2, sy0, sy1, sy2,
+                   D: tl.constexpr, BR: tl.constexpr, PARTS: tl.constexpr, INV_SQRT_D: tl.constexpr):
+    """Rows BR * program_id(0) .. of X [n0, n1, n2, D] (unit stride along D) times H into Y
+    (its own strides), each row scaled into fp16's range by its own power of two."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    ok = rows < n_rows
+    i2 = rows % n2
+    i1 = (rows // n2) % n1
+    i0 = (rows // n2 // n1).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    x = tl.load(X + (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    up = pow2_into_f16(tl.max(tl.abs(x), 1))
+    signs = tl.load(SIGNS + offs_d[:, None] * D + offs_d[None, :])
+    acc = dot_signs(x * up[:, None], signs, tl.zeros((BR, D), tl.float32), PARTS)
+    y = acc * (INV_SQRT_D / up)[:, None]
+    tl.store(Y + (i0 * sy0 + i1 * sy1 + i2 * sy2)[:, None] + offs_d[None, :], y.to(Y.dtype.element_ty), mask=ok[:, None])
+
+
+def rotate_triton(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (at most 4 dims, D a power of two >= 16, fp32/fp16/bf16) times the Hadamard
+    matrix along D, in x's dtype and with x's strides where x is dense (else contiguous):
+    quant.rotate's result in one launch, each value's fp32 sum rounded once to x's dtype.
+    Shown in tests/ops/test_rotation.py."""
+    D = x.shape[-1]
+    if x.dim() > 4 or x.dim() < 1 or D < 16 or D & (D - 1) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"rotate_triton: x must be [..., D] with at most 4 dims, D a power of two >= 16, fp32/fp16/bf16; got {x.dtype} {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    shape = (1,) * (4 - x.dim()) + tuple(x.shape)
+    sx = (0,) * (4 - x.dim()) + tuple(x.stride())
+    sy = (0,) * (4 - y.dim()) + tuple(y.stride())
+    n_rows = shape[0] * shape[1] * shape[2]
+    BR = 16  # (a dot's rows: at least 16)
+    _rotate_kernel[(triton.cdiv(n_rows, BR),)](
+        x, y, hadamard_signs(D, x.device), n_rows, shape[1], shape[2], *sx[:3], *sy[:3],
+        D=D, BR=BR, PARTS=3 if x.dtype == torch.float32 else 2, INV_SQRT_D=hadamard_scale(D), num_warps=4, **TRITON_OPTIONS)
+    return y
