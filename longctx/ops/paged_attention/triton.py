@@ -38,7 +38,7 @@ from ..pages import PagedView, kernel_pools
 from ..rotation import rotate_triton
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
 from .triton_tiles import NEG_BIG, _side_values_folded, _tiny_unit, _unfold_values, _fold, _load_queries, _page_scores, _page_values, _side_scores, _side_values
-from .triton_tiles import _softmax_step, _step_ids, _zero_state
+from .triton_tiles import _softmax_step, _step_ids, _v_words2, _zero_state
 
 
 # Integers that change from step to step are not specialized: Triton would compile a new
@@ -458,10 +458,10 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, s_side, qp0, qp1,
             pv, v0, v1, v2, v3 = _side_values(VC, VS, VZ, bh, sub, p, offs_p, offs_v, T, DV, PV, NG, GS, V_BITS, V16, DOT, ASM, P)
             w0, w1, w2, w3 = _acc(w0, w1, w2, w3, alpha, pv, v0, v1, v2, v3, PV, PREC)
     if SVT:
-        w0 = _unfold_values(x0, z_acc, NG, _tiny_unit(0, V_BITS, TINY_CODES))
-        w1 = _unfold_values(x1, z_acc, NG, _tiny_unit(1, V_BITS, TINY_CODES))
-        w2 = _unfold_values(x2, z_acc, NG, _tiny_unit(2, V_BITS, TINY_CODES))
-        w3 = _unfold_values(x3, z_acc, NG, _tiny_unit(3, V_BITS, TINY_CODES))
+        w0 = _unfold_values(x0, z_acc, NG, _tiny_unit(0, V_BITS, TINY_CODES), _v_words2(V_BITS, GS // PV))
+        w1 = _unfold_values(x1, z_acc, NG, _tiny_unit(1, V_BITS, TINY_CODES), _v_words2(V_BITS, GS // PV))
+        w2 = _unfold_values(x2, z_acc, NG, _tiny_unit(2, V_BITS, TINY_CODES), _v_words2(V_BITS, GS // PV))
+        w3 = _unfold_values(x3, z_acc, NG, _tiny_unit(3, V_BITS, TINY_CODES), _v_words2(V_BITS, GS // PV))
     m_new = tl.maximum(m_i, tl.max(mw, 0))
     c_in = tl.exp2(m_i - m_new)
     c_w = tl.exp2(mw - m_new[None, :])

@@ -199,6 +199,66 @@ def _codes_f16n(x, first: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, F
     return c0, c1, c2, c3
 
 
+# int2 codes in int16 words (GPU): two words per 32-bit register, each shifted by the same
+# amount (at most 14, so no bit of the high word reaches the low word's code), masked to the
+# code's two bits in each half; BIASED ORs fp16 1024 in, EXACT then subtracts it (an f16x2
+# subtract a pair), TINY leaves the subnormal c * 2^-24. The shift is an operand ($2, equal in
+# both halves): the rows of one tile may take different bytes of their words.
+@triton.constexpr_function
+def _asm_int2(form):
+    body = "and.b32 s, $2, 0xF; shr.b32 t, $1, s; "
+    if form == 2:
+        return "{ .reg .b32 t, s; " + body + "and.b32 $0, t, 0x00030003; }"
+    body += "lop3.b32 $0, t, 0x00030003, 0x64006400, 0xea; "
+    if form == 0:
+        body += "mov.b32 k, 0x64006400; sub.f16x2 $0, $0, k; "
+    return "{ .reg .b32 t, s, k; " + body + "}"
+
+
+@triton.jit
+def _int2_f16(x, shift, FORM: tl.constexpr, ASM: tl.constexpr):
+    """The int2 codes at bits shift, shift + 1 of int16 words x (shift: int16, broadcast
+    against x, the same for a word's pair in a register) as fp16 in FORM (EXACT, BIASED
+    1024 + c, TINY c * 2^-24), exact: inline PTX on the GPU (ASM), else integer ops."""
+    if ASM:
+        sh = (tl.zeros(x.shape, tl.int16) + shift).to(tl.int16)
+        return tl.inline_asm_elementwise(_asm_int2(FORM), "=r,r,r", [x, sh], dtype=tl.float16, is_pure=True, pack=2)
+    c = ((x >> shift) & 3).to(tl.int16)
+    if FORM == TINY:
+        return c.to(tl.float16, bitcast=True)
+    if FORM == BIASED:
+        return (c | 0x6400).to(tl.float16, bitcast=True)
+    return c.to(tl.float16)
+
+
+@triton.jit
+def _int2_words_f16(x, r: tl.constexpr, FORM: tl.constexpr, ASM: tl.constexpr):
+    """Sub-tile r of int2 codes loaded as int16 words x [A, B, n] (a word's low byte is
+    column 2i of the byte tile, its high byte column 2i + 1) as fp16 [A, B, 2n] in FORM:
+    the columns of the byte tile's sub-tile r. (On byte tiles, uint8, the sm_90 side loop ran
+    ~2,450 instructions a page, with shared-memory round trips: notes v41.)"""
+    lo = _int2_f16(x, 2 * r, FORM, ASM)
+    hi = _int2_f16(x, 2 * r + 8, FORM, ASM)
+    return tl.reshape(tl.join(lo, hi), (x.shape[0], x.shape[1], 2 * x.shape[2]))
+
+
+@triton.constexpr_function
+def _v_words2(v_bits, dg):
+    """Whether the side loop's folded V takes int2 codes as int16 words (_int2_rows_f16): a
+    group's columns a sub-tile (dg) come in pairs."""
+    return v_bits == 2 and dg % 2 == 0
+
+
+@triton.jit
+def _int2_rows_f16(x, r: tl.constexpr, FORM: tl.constexpr, ASM: tl.constexpr):
+    """Sub-tile r of int2 codes from int16 words x [A, 2n, B] whose rows i and n + i hold the
+    same word (loaded twice): row i takes its low byte's code, row n + i its high byte's, as
+    fp16 in FORM. Elementwise, so the words keep the dot operand's layout (in it a thread
+    holds rows i and i + 8 of each 16)."""
+    n: tl.constexpr = x.shape[1] // 2
+    return _int2_f16(x, (2 * r + 8 * (tl.arange(0, 2 * n) // n))[None, :, None], FORM, ASM)
+
+
 @triton.constexpr_function
 def _codes_per_block(bits, asm, dtype):
     """Sub-tiles one _codes_f16n call converts: an inline-PTX block's on int16 words on the GPU
@@ -605,7 +665,12 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
     G_PAD: tl.constexpr = q30.shape[2]
     st = tl.zeros((W, P, G_PAD), tl.float32)
     corr = tl.zeros((W, DK, G_PAD), tl.float32)  # q*z [- 1024 * fp16(q*s)], summed once (K16 == 1)
-    xk = tl.load(KC + _side_rows(bh[:, None, None], sub[:, None, None], offs_p[None, :, None], P, PS) * DK + offs_k[None, None, :])
+    rows = _side_rows(bh[:, None, None], sub[:, None, None], offs_p[None, :, None], P, PS)
+    W2: tl.constexpr = K_BITS == 2 and K16 == 1
+    if W2:  # int2 codes as int16 words (_int2_words_f16)
+        xk = tl.load(KC.to(tl.pointer_type(tl.int16)) + rows * (DK // 2) + tl.arange(0, DK // 2)[None, None, :])
+    else:
+        xk = tl.load(KC + rows * DK + offs_k[None, None, :])
     W16: tl.constexpr = KS.dtype.element_ty.primitive_bitwidth == 16
     chan = bh[:, None] * D + PK * offs_k[None, :]  # channel PK*i of each page's head
     ksw = xk
@@ -616,7 +681,12 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
         kzw = _words16(KZ, idx, idx >= 0, PK)
     N: tl.constexpr = _codes_per_block(K_BITS, ASM, xk.dtype)
     for r in tl.static_range(PK):
-        if K16 == 1 and r % N == 0:
+        if W2:
+            c0 = _int2_words_f16(xk, r, TINY if TINY_CODES else BIASED, ASM)
+            c1 = c0
+            c2 = c0
+            c3 = c0
+        elif K16 == 1 and r % N == 0:
             c0, c1, c2, c3 = _codes_f16n(xk, r, K_BITS, ASM, TINY if TINY_CODES else BIASED)
         qr = _pick(q30, q31, q32, q33, r)
         sr, zr = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
@@ -690,8 +760,13 @@ def _side_values_folded(VC, VS, VZ, bh, sub, pt, x0, x1, x2, x3, z_acc, alpha, o
     bh_b = tl.reshape(tl.broadcast_to(bh[:, None], (W, NG)), (W * NG,))
     sub_b = tl.reshape(tl.broadcast_to(sub[:, None], (W, NG)), (W * NG,)) if PS > P else sub
     tok = _side_rows(bh_b[:, None, None], sub_b[:, None, None], offs_p[None, None, :], P, PS)  # [W * NG, 1, P]
-    xv = tl.load(VC + tok * DV + (offs_b % NG)[:, None, None] * DG
-                 + tl.arange(0, DG)[None, :, None])
+    W2: tl.constexpr = _v_words2(V_BITS, DG)
+    if W2:  # int2 codes as int16 words [W * NG, DG, P], each word in rows i and DG / 2 + i (_int2_rows_f16)
+        xv = tl.load(VC.to(tl.pointer_type(tl.int16)) + tok * (DV // 2) + (offs_b % NG)[:, None, None] * (DG // 2)
+                     + (tl.arange(0, DG) % (DG // 2))[None, :, None])
+    else:
+        xv = tl.load(VC + tok * DV + (offs_b % NG)[:, None, None] * DG
+                     + tl.arange(0, DG)[None, :, None])
     ok = row >= 0
     sg = _token_groups(VS, row, ok, NG).to(tl.float32)  # [W, P, NG]
     zg = _token_groups(VZ, row, ok, NG).to(tl.float16 if ZDOT else tl.float32)
@@ -704,9 +779,12 @@ def _side_values_folded(VC, VS, VZ, bh, sub, pt, x0, x1, x2, x3, z_acc, alpha, o
     c = tl.reshape(tl.broadcast_to(alpha[:, None, None, :], (W, NG, 1, R)), (W * NG, 1, R))
     N: tl.constexpr = _codes_per_block(V_BITS, ASM, xv.dtype)
     for r in tl.static_range(PV):
-        if r % N == 0:
-            c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, TINY if TINY_CODES else EXACT)
-        cr = _pick(c0, c1, c2, c3, r % N)
+        if W2:
+            cr = _int2_rows_f16(xv, r, TINY if TINY_CODES else EXACT, ASM)
+        else:
+            if r % N == 0:
+                c0, c1, c2, c3 = _codes_f16n(xv, r, V_BITS, ASM, TINY if TINY_CODES else EXACT)
+            cr = _pick(c0, c1, c2, c3, r % N)
         if r == 0:
             x0 = x0 * c + tl.dot(cr, pg)
         elif r == 1:
@@ -719,14 +797,17 @@ def _side_values_folded(VC, VS, VZ, bh, sub, pt, x0, x1, x2, x3, z_acc, alpha, o
 
 
 @triton.jit
-def _unfold_values(x, z_acc, NG: tl.constexpr, UNIT: tl.constexpr = 1.0):
+def _unfold_values(x, z_acc, NG: tl.constexpr, UNIT: tl.constexpr = 1.0, HALVES: tl.constexpr = False):
     """[W, rows, DV] from _side_values_folded's x_r [W * NG, GS/PV, rows] (sums in units of
-    UNIT: _tiny_unit(r) for tiny codes) and z_acc [W, NG, rows]."""
+    UNIT: _tiny_unit(r) for tiny codes) and z_acc [W, NG, rows]. HALVES: x's rows i and
+    GS/PV/2 + i are a group's bytes 2i and 2i + 1 (int2 words, _int2_rows_f16)."""
     W: tl.constexpr = z_acc.shape[0]
     R: tl.constexpr = z_acc.shape[2]
     DG: tl.constexpr = x.shape[1]
     if UNIT != 1.0:
         x = x * (1.0 / UNIT)
+    if HALVES:
+        x = tl.reshape(tl.permute(tl.reshape(x, (W * NG, 2, DG // 2, R)), (0, 2, 1, 3)), (W * NG, DG, R))
     y = tl.reshape(x, (W, NG, DG, R)) + z_acc[:, :, None, :]
     return tl.permute(tl.reshape(y, (W, NG * DG, R)), (0, 2, 1))
 
