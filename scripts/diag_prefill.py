@@ -1,12 +1,15 @@
 """Sweep the prefill kernel's shape on the GPU against the staged path, one layer.
 
-Usage (GPU machine, repo root): python3 scripts/diag_prefill.py [FORMAT]
+Usage (GPU machine, repo root): python3 scripts/diag_prefill.py [FORMAT] [CASES] [VARIANTS]
+  CASES: context:chunk pairs, e.g. 131072:16,131072:64 (default: the four below)
+  VARIANTS: a JSON list of TUNE overrides, e.g. '[{}, {"prefill_rows": 64}]'
 For each (context, chunk) case: the staged path (dense past + SDPA flash) and each kernel
 variant (TUNE's prefill defaults plus overrides), attention only (the chunk appended once
 beforehand), CUDA-event median of 5 after a compile call; each variant's output is checked
 against the staged path's (relative to the output's size). `longctx bench prefill` times the
 whole chunk step (append, attend, seal) for the paths' defaults.
 """
+import json
 import sys
 
 import torch
@@ -37,9 +40,11 @@ def ms(fn, reps=5):
     return sorted(ts)[reps // 2]
 
 
-def main(fmt="int4"):
+def main(fmt="int4", cases=None, variants=None):
     default = dict(K.TUNE)
-    for T, C in CASES:
+    cases = [tuple(map(int, c.split(":"))) for c in cases.split(",")] if cases else CASES
+    variants = json.loads(variants) if variants else VARIANTS
+    for T, C in cases:
         g = torch.Generator(device="cuda").manual_seed(T)
         k = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
         v = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -52,7 +57,7 @@ def main(fmt="int4"):
         ref = paged_prefill_staged(q, view, None)
         staged = ms(lambda q=q, view=view: paged_prefill_staged(q, view, None))
         print(f"== {fmt} context {T:,}, chunk {C:,}: staged {staged:.3f} ms", flush=True)
-        for kw in VARIANTS:
+        for kw in variants:
             K.TUNE.clear()
             K.TUNE.update(default, **kw)
             try:
