@@ -964,7 +964,9 @@ def _counters(device, n: int) -> torch.Tensor:
 
 def _per(bits: int, words: bool) -> int:
     """Sub-tiles of one side (the kernel's PK/PV): codes per load word, int16 words for 8 and
-    4 bits when `words`, bytes otherwise."""
+    4 bits when `words`, bytes otherwise. (int2 keeps the bytes' 4 sub-tiles: the side loop
+    reads its codes as int16 words itself, two bytes' sub-tile r a word, whatever `words` says:
+    triton_tiles' _int2_words_f16 and _int2_rows_f16.)"""
     return 1 if bits == 16 else (16 if words and bits >= 4 else 8) // bits
 
 
