@@ -76,7 +76,7 @@ def rotate_triton(x: torch.Tensor) -> torch.Tensor:
     matrix along D, in x's dtype and with x's strides where x is dense (else contiguous):
     quant.rotate's result in one launch, each value's fp32 sum rounded once to x's dtype.
     Shown in tests/ops/test_rotation.py."""
-    D = x.shape[-1]
+    D = x.shape[-1] if x.dim() else 0
     if x.dim() > 4 or x.dim() < 1 or D < 16 or D & (D - 1) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"rotate_triton: x must be [..., D] with at most 4 dims, D a power of two >= 16, fp32/fp16/bf16; got {x.dtype} {tuple(x.shape)}")
     if x.stride(-1) != 1:

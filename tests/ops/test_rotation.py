@@ -90,5 +90,7 @@ def test_rotate_triton_rejects_bad_input():
         rotate_triton(torch.zeros(2, 48, device=DEVICE))
     with pytest.raises(ValueError, match="at most 4 dims"):
         rotate_triton(torch.zeros(1, 1, 1, 1, 64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"at most 4 dims.*\(\)"):
+        rotate_triton(torch.tensor(1.0, device=DEVICE))
     with pytest.raises(ValueError, match="float64"):
         rotate_triton(torch.zeros(2, 64, dtype=torch.float64, device=DEVICE))
