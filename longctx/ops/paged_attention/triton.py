@@ -458,10 +458,11 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, s_side, qp0, qp1,
             pv, v0, v1, v2, v3 = _side_values(VC, VS, VZ, bh, sub, p, offs_p, offs_v, T, DV, PV, NG, GS, V_BITS, V16, DOT, ASM, P)
             w0, w1, w2, w3 = _acc(w0, w1, w2, w3, alpha, pv, v0, v1, v2, v3, PV, PREC)
     if SVT:
-        w0 = _unfold_values(x0, z_acc, NG, _tiny_unit(0, V_BITS, TINY_CODES), _v_words2(V_BITS, GS // PV))
-        w1 = _unfold_values(x1, z_acc, NG, _tiny_unit(1, V_BITS, TINY_CODES), _v_words2(V_BITS, GS // PV))
-        w2 = _unfold_values(x2, z_acc, NG, _tiny_unit(2, V_BITS, TINY_CODES), _v_words2(V_BITS, GS // PV))
-        w3 = _unfold_values(x3, z_acc, NG, _tiny_unit(3, V_BITS, TINY_CODES), _v_words2(V_BITS, GS // PV))
+        HALVES: tl.constexpr = _v_words2(V_BITS, GS // PV)  # (int2 words: the rows back in channel order)
+        w0 = _unfold_values(x0, z_acc, NG, _tiny_unit(0, V_BITS, TINY_CODES), HALVES)
+        w1 = _unfold_values(x1, z_acc, NG, _tiny_unit(1, V_BITS, TINY_CODES), HALVES)
+        w2 = _unfold_values(x2, z_acc, NG, _tiny_unit(2, V_BITS, TINY_CODES), HALVES)
+        w3 = _unfold_values(x3, z_acc, NG, _tiny_unit(3, V_BITS, TINY_CODES), HALVES)
     m_new = tl.maximum(m_i, tl.max(mw, 0))
     c_in = tl.exp2(m_i - m_new)
     c_w = tl.exp2(mw - m_new[None, :])
@@ -548,6 +549,14 @@ def _unrotate(o_r, SIGNS, offs_d, D: tl.constexpr, INV_SQRT_D: tl.constexpr):
 
 
 @triton.jit
+def _partials(X, b, hq, offs_s, smask, cols, s_o_b, s_o_h, s_o_s, CM: tl.constexpr):
+    """Splits offs_s (masked by smask; zeros past S) of (row b, query head hq)'s partials X at
+    columns cols: [len(offs_s), len(cols)]."""
+    return tl.load(X + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + cols[None, :], mask=smask[:, None], other=0.0,
+                   cache_modifier=CM)
+
+
+@triton.jit
 def _merge_head(O, LSE, OUT, LOUT, b, hq, cb, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out_b, s_out_h,
                 HQ: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr, BD: tl.constexpr, CG: tl.constexpr,
                 OR, SIGNS, ROT: tl.constexpr, INV_SQRT_D: tl.constexpr):
@@ -571,12 +580,10 @@ def _merge_head(O, LSE, OUT, LOUT, b, hq, cb, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l
         w = tl.exp(lse - m_safe)
         denom = tl.sum(w, 0)
         w = w / tl.where(denom > 0, denom, 1.0)
-        o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0,
-                    cache_modifier=CM)
+        o = _partials(O, b, hq, offs_s, smask, offs_d, s_o_b, s_o_h, s_o_s, CM)
         out = tl.sum(o * w[:, None], 0)
         if ROT:
-            o_r = tl.load(OR + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + tl.arange(0, D)[None, :], mask=smask[:, None],
-                          other=0.0, cache_modifier=CM)
+            o_r = _partials(OR, b, hq, offs_s, smask, tl.arange(0, D), s_o_b, s_o_h, s_o_s, CM)
             out += _unrotate(tl.sum(o_r * w[:, None], 0), SIGNS, offs_d, D, INV_SQRT_D)
     else:
         m_safe = 0.0
@@ -589,11 +596,9 @@ def _merge_head(O, LSE, OUT, LOUT, b, hq, cb, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l
             offs_s = s0 + tl.arange(0, SC)
             smask = offs_s < S
             lse = tl.load(LSE + b * s_l_b + hq * s_l_h + offs_s, mask=smask, other=float("-inf"), cache_modifier=CM)
-            o = tl.load(O + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + offs_d[None, :], mask=smask[:, None], other=0.0,
-                        cache_modifier=CM)
+            o = _partials(O, b, hq, offs_s, smask, offs_d, s_o_b, s_o_h, s_o_s, CM)
             if ROT:  # (with the running max and denominator from before this chunk)
-                o_r = tl.load(OR + b * s_o_b + hq * s_o_h + offs_s[:, None] * s_o_s + tl.arange(0, D)[None, :], mask=smask[:, None],
-                              other=0.0, cache_modifier=CM)
+                o_r = _partials(OR, b, hq, offs_s, smask, tl.arange(0, D), s_o_b, s_o_h, s_o_s, CM)
                 _, _, _, acc_r = _lse_step(lse, o_r, m, denom, acc_r)
             m, m_safe, denom, acc = _lse_step(lse, o, m, denom, acc)
         if ROT:

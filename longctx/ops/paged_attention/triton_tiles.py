@@ -253,8 +253,9 @@ def _v_words2(v_bits, dg):
 def _int2_rows_f16(x, r: tl.constexpr, FORM: tl.constexpr, ASM: tl.constexpr):
     """Sub-tile r of int2 codes from int16 words x [A, 2n, B] whose rows i and n + i hold the
     same word (loaded twice): row i takes its low byte's code, row n + i its high byte's, as
-    fp16 in FORM. Elementwise, so the words keep the dot operand's layout (in it a thread
-    holds rows i and i + 8 of each 16)."""
+    fp16 in FORM. Elementwise, where a join along rows went through shared memory (in the dot
+    operand's layout a thread holds rows i and i + 8 of each 16). On triton 3.6 the converted
+    codes still take one shared-memory round trip a sub-tile to reach that layout (notes v41)."""
     n: tl.constexpr = x.shape[1] // 2
     return _int2_f16(x, (2 * r + 8 * (tl.arange(0, 2 * n) // n))[None, :, None], FORM, ASM)
 
