@@ -52,7 +52,8 @@ def compile_decode(a):
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
                  PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
                  SKIP=bool(a.skip), STAMPS=None, TINY_CODES=bool(a.tiny and a.wp), PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
-    const.update(GRID=0, S_PAD=0, SC=0, BD=0, TAIL_DEV=False, BLOCKS_DEV=False, R=a.rows)  # (host lengths, as eager calls pass them)
+    const.update(GRID=0, S_PAD=0, SC=0, BD=0, TAIL_DEV=False, BLOCKS_DEV=False, R=a.rows, ROT_Q=a.rotate and bool(a.rot_query),
+                 ROT_O=a.rotate and bool(a.rot_out), INV_SQRT_D=K.hadamard_scale(a.head_dim) if a.rotate else 1.0, PTX=True)  # (host lengths, as eager calls pass them)
     if not a.bounds:
         const["BOUNDS"] = None
     if a.merge == "grid":  # merge programs after the splits in the same grid (TUNE merge "grid")
@@ -108,6 +109,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--rotate", action="store_true")
+    ap.add_argument("--rot-query", type=int, default=int(K.TUNE["rot_query"]), help="with --rotate: the program rotates its queries (TUNE rot_query)")
+    ap.add_argument("--rot-out", type=int, default=int(K.TUNE["rot_out"]), help="with --rotate: the program rotates its share back (TUNE rot_out)")
     ap.add_argument("--scales", default="bf16", choices=("bf16", "fp16", "fp32"), help="dtype of the scales and zero points")
     ap.add_argument("--g-pad", type=int, default=16, help="pad the query heads of a KV head to at least this many rows")
     ap.add_argument("--warps", type=int, default=K.TUNE["num_warps"])

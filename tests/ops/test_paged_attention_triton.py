@@ -838,7 +838,7 @@ def test_merge_programs_in_the_grid_under_graphs(bits, T, B, monkeypatch):
     assert (out.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
 
 
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}, {"pdl": "yes"}, {"side_tiles": "yes"}])
+@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}, {"pdl": "yes"}, {"side_tiles": "yes"}, {"rot_query": 1}, {"rot_out": "yes"}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
     """A typo in TUNE must not silently run another code path."""
     from longctx.ops.paged_attention import triton as kernel
@@ -884,6 +884,52 @@ def test_merge_rotated(splits, sm):
     assert torch.allclose(lout[:, :, 0][fin], ref_lse[fin], atol=1e-5)
     with pytest.raises(ValueError, match="contiguous"):
         _merge_rotated(o.transpose(0, 1), o_r, lse, out, lout, sm)
+
+
+# (B, T, Hq, Hkv, D, block, cfg kwargs, padding, splits): rotated pages whose sub-tiles are 4
+# (int4, int2), 2 (int8) or both (k8v4) a word; one split (the kernel writes the output)
+ROTATED_CASES = [
+    (2, 300, 8, 2, 64, 16, dict(bits=4, rotate=True), True, 5),
+    (1, 260, 4, 1, 128, 64, dict(bits=2, rotate=True), False, None),
+    (2, 97, 6, 2, 64, 32, dict(bits=4, k_bits=8, rotate=True), False, 2),
+    (1, 150, 4, 2, 64, 16, dict(bits=8, rotate=True), True, 3),
+    (1, 40, 4, 2, 64, 16, dict(bits=4, rotate=True), False, 1),
+]
+
+
+@pytest.mark.parametrize("rot_query, rot_out", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["in-kernel", "query-in-kernel", "out-in-kernel", "launches"])
+@pytest.mark.parametrize("case", ROTATED_CASES, ids=[case_id(c) for c in ROTATED_CASES])
+def test_rotation_in_the_kernel_or_in_launches(case, rot_query, rot_out, monkeypatch):
+    """Rotated pages' queries rotated by each program (TUNE["rot_query"]) or by a launch before
+    (`rotate_triton`), and their share of the output rotated back by each program before its
+    partial is stored (TUNE["rot_out"]: the partials then merge as unrotated pages' do, in the
+    kernel) or by the merge launch (`_merge_rotated`): within the grid's budget either way, and
+    each launch made exactly where its side is not done in the kernel."""
+    monkeypatch.setitem(TUNE, "rot_query", rot_query)
+    monkeypatch.setitem(TUNE, "rot_out", rot_out)
+    calls = {"rotate_triton": 0, "_merge_rotated": 0}
+    for name in calls:
+        real = getattr(K, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(K, name, spy)
+    for dtype in dtypes()[1:]:
+        _within_budget(case, dtype)
+    n = len(dtypes()) - 1
+    assert calls == {"rotate_triton": 0 if rot_query else n, "_merge_rotated": 0 if rot_out else n}
+
+
+@pytest.mark.parametrize("merge", ["kernel", "launch", "grid"])
+def test_rotated_partials_merge_as_unrotated_ones(merge, monkeypatch):
+    """With the rotation in the kernel (the default), rotated pages' splits merge in every
+    merge mode the unrotated ones have: in the last split, in a launch, in the grid."""
+    monkeypatch.setitem(TUNE, "merge", merge)
+    for case in ROTATED_CASES[:2]:
+        _within_budget(case, dtypes()[-1])
 
 
 @pytest.mark.parametrize("splits", [1, 5, 37, 131])

@@ -10,8 +10,10 @@ programs after the splits in the decode grid instead). No bf16 copy of the cache
 written.
 
 With rotation the sealed pages hold K·H and V·H: their scores use the rotated query, and
-their share of the output is accumulated apart and rotated back once, in the merge launch
-that follows (`_merge_rotated`).
+their share of the output is accumulated apart and rotated back once. Each program rotates its
+own queries and its share back (fast Walsh-Hadamard butterflies in fp32), so that its partial
+is unrotated and merges as unrotated pages' do (`TUNE["rot_query"]`, `TUNE["rot_out"]`; off,
+a launch rotates the queries first and `_merge_rotated` rotates the shares back).
 
 The kernel's building blocks (code conversion, page scores and values, the softmax step) are
 in triton_tiles.py, shared with the prefill kernel (prefill.py). Never imports the reference;
@@ -59,7 +61,8 @@ def _decode_kernel(
     ZDOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True, TREE: tl.constexpr = 0,
     STAMPS=None, PDL: tl.constexpr = False, GRID: tl.constexpr = 0, S_PAD: tl.constexpr = 0, SC: tl.constexpr = 0,
     BD: tl.constexpr = 0, TINY_CODES: tl.constexpr = False, BOUNDS=None, TAIL_DEV: tl.constexpr = False,
-    BLOCKS_DEV: tl.constexpr = False, R: tl.constexpr = 1,
+    BLOCKS_DEV: tl.constexpr = False, R: tl.constexpr = 1, ROT_Q: tl.constexpr = False, ROT_O: tl.constexpr = False,
+    INV_SQRT_D: tl.constexpr = 1.0, PTX: tl.constexpr = False,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -89,7 +92,11 @@ def _decode_kernel(
     launch's); partials go to slot slot0 + split of n_slots a (row, query head). R > 1: a
     program (b, h) takes the G queries of KV head h of each of rows b * R .. b * R + R - 1,
     which hold the blocks this launch reads alike (read from row b * R's table), as R * G query
-    rows (a group's rows may start at different positions: each query masks by its row's)."""
+    rows (a group's rows may start at different positions: each query masks by its row's).
+    ROTATE with ROT_Q: the program rotates its queries itself (Q's rows; QR is not read); with
+    ROT_O: it rotates its sealed pages' share back before storing, so that O holds unrotated
+    partials (OR is not written) and they merge as unrotated pages' do (INV_SQRT_D: the
+    Hadamard matrix's entries' magnitude; PTX: compiled for a GPU, where inline PTX may stand)."""
     if GRID > 0:  # noqa: SIM102 (a constexpr test alone: without merge programs none of this compiles)
         if tl.program_id(1) >= n_splits:
             _grid_merge(O, LSE, OUT, LOUT, COUNT, tl.program_id(0), tl.program_id(1) - n_splits, n_splits,
@@ -153,7 +160,8 @@ def _decode_kernel(
     else:
         qoffs = b * stride_qb + h * G * stride_qh + offs_g * stride_qh
         orows = b * H * G + h * G + offs_g
-    q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, 0, qoffs, gmask, 1, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT)
+    q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, 0, qoffs, gmask, 1, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT,
+                                              ROT_Q, INV_SQRT_D, PTX)
     # each query's first attended position (left padding), shaped for the scores it masks:
     # [rows, tokens] (s_rows), transposed [tokens, rows] (s_cols), side by side [pages, rows,
     # tokens] (s_side); one scalar where the program's queries are one row's
@@ -227,7 +235,8 @@ def _decode_kernel(
 
     if STAMPS is not None:
         tl.store(stamp + 2, globaltimer())
-    _finish(O, OR, LSE, orows * n_slots + slot0 + split, gmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE)
+    _finish(O, OR, LSE, orows * n_slots + slot0 + split, gmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE,
+            ROT_O, INV_SQRT_D)
     if GRID > 0:  # this split's partial is stored (every thread's: the barrier), for the merge programs
         tl.debug_barrier()
         tl.atomic_add(COUNT + 2 * pid, 1, sem="release")
@@ -823,7 +832,7 @@ def _merge_kernel(O, LSE, OUT, LOUT, S, s_o_b, s_o_h, s_o_s, s_l_b, s_l_h, s_out
 # biased and exact codes).
 TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnreg=0, stages16=2, programs16=8, k16=3, v16=True,
             pages=1, words=True, asm=1, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=True, pdl=False,
-            shared_from=8192, shared_rows=8, shared_warps=1,
+            rot_query=True, rot_out=True, shared_from=8192, shared_rows=8, shared_warps=1,
             prefill="auto", prefill_staged_from=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
 # shared_from, shared_rows, shared_warps: where the rows of each run (a prompt's beams,
@@ -1080,15 +1089,16 @@ class _Setup(NamedTuple):
     consts: dict | None  # the constexprs both kernels take (`_kernel_consts`; None where not asked for)
 
 
-def _setup(q, view: PagedView, start, who: str, consts: bool = True) -> _Setup:
+def _setup(q, view: PagedView, start, who: str, consts: bool = True, rotate_q: bool = True) -> _Setup:
     """What a launch takes from q and the view; with consts=False its constexprs are None
-    (`_kernel_consts` gives them: a cached decode plan holds its own)."""
+    (`_kernel_consts` gives them: a cached decode plan holds its own). rotate_q False: qr is q
+    for rotated pages too (the kernel rotates its queries itself, ROT_Q)."""
     fmt = view.pages.fmt
     B, D = q.shape[0], q.shape[-1]
     if q.stride(-1) != 1:
         q = q.contiguous()
     qr = q
-    if fmt.rotate:  # (one launch; torch's q.float() @ H then .to took three)
+    if fmt.rotate and rotate_q:  # (one launch; torch's q.float() @ H then .to took three)
         qr = rotate_triton(q)
         if qr.stride() != q.stride():  # (q not dense: qr is contiguous, and the kernels index both alike)
             q = q.contiguous()
@@ -1217,6 +1227,12 @@ def _plan_key(st: _Setup, q, view: PagedView, start, splits, capturing: bool):
             st.n_sink, st.tail_len > 0, view.tail_len is None, view.n_blocks is None, splits, capturing, tiny, tuple(TUNE.items()))
 
 
+def _rotated_partials(plan: _Plan) -> bool:
+    """Whether the plan's launch stores its sealed pages' share rotated, apart (OR), for
+    `_merge_rotated` to rotate back: rotated pages, with TUNE["rot_out"] off."""
+    return plan.consts["ROTATE"] and not plan.consts["ROT_O"]
+
+
 def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan, part: _Part | None = None, bufs=None):
     """The decode launch's buffers and arguments under `plan`: (o, o_r, lse, out, lout, args).
     A part of a call (`_decode_shared`) writes its partials into bufs = (o, o_r, lse), whose
@@ -1228,11 +1244,11 @@ def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan, part: _
         first, slot0, slots = part.first, part.slot0, part.slots
     else:
         o = torch.empty(B, Hq, plan.splits, D, dtype=q.dtype if plan.merged else torch.float32, device=q.device)
-        o_r = torch.empty_like(o) if fmt.rotate else o
+        o_r = torch.empty_like(o) if _rotated_partials(plan) else o
         lse = torch.empty(B, Hq, plan.splits, dtype=torch.float32, device=q.device)
         first, slot0, slots = 0, 0, plan.splits
     out, lout, count = o, lse, st.table
-    if part is None and (plan.splits > 1 or fmt.rotate):  # (rotated: `_merge_rotated` writes them)
+    if part is None and (plan.splits > 1 or _rotated_partials(plan)):  # (rotated partials: `_merge_rotated` writes them)
         out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
         lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
         if plan.counters:
@@ -1254,6 +1270,9 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     kernel where the split count depends on how many programs fit. A part of a call
     (`_decode_shared`: its rows a program and first block) leaves the merge to its caller."""
     fmt, q, sm, gpu, device = st.fmt, st.q, st.sm, st.gpu, st.device
+    for name in ("rot_query", "rot_out"):
+        if not isinstance(TUNE[name], bool):
+            raise ValueError(f"TUNE[{name!r}] must be True (in the decode kernel) or False (a launch of its own), got {TUNE[name]!r}")
     R, first = (part.rows, part.first) if part is not None else (1, 0)
     total = st.total - first  # the logical blocks this launch's splits share
     B, Hq, D = q.shape[0] // R, q.shape[1], q.shape[-1]
@@ -1288,18 +1307,23 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
                   SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
                   TINY_CODES=bool(tiny), GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)),
-                  TAIL_DEV=view.tail_len is not None, BLOCKS_DEV=view.n_blocks is not None, R=R, **opts)
+                  TAIL_DEV=view.tail_len is not None, BLOCKS_DEV=view.n_blocks is not None, R=R,
+                  ROT_Q=fmt.rotate and TUNE["rot_query"], ROT_O=fmt.rotate and TUNE["rot_out"],
+                  INV_SQRT_D=hadamard_scale(D) if fmt.rotate else 1.0, PTX=gpu, **opts)
     # programmatic dependent launch (sm_90+): each launch may start while the one before it
     # ends, and waits for it on the GPU (gdc_wait) before reading what it wrote
     pdl = dict(PDL=True, launch_pdl=True) if gpu and TUNE["pdl"] and torch.cuda.get_device_capability(device) >= (9, 0) else {}
     consts.update(pdl)
     last = dict(side=side, k16=k16, svt=svt, zdot=consts["ZDOT"], skip=consts["SKIP"], short=short, mask=consts["MASK"], tiny=consts["TINY_CODES"])
 
+    # the partials are unrotated: they merge as such (else `_merge_rotated` merges them)
+    plain = not fmt.rotate or consts["ROT_O"]
+
     def merge_mode(splits: int) -> str:
         """How the splits merge: "kernel" (the last split), "grid" (merge programs in the same
-        grid) or "launch" (a second kernel); "" where there is nothing to merge or torch merges
-        (one split, rotation) or the caller merges (a part)."""
-        return _merge_mode(TUNE["merge"], capturing) if splits > 1 and not fmt.rotate and part is None else ""
+        grid) or "launch" (a second kernel); "" where there is nothing to merge or
+        `_merge_rotated` merges (one split, rotated partials) or the caller merges (a part)."""
+        return _merge_mode(TUNE["merge"], capturing) if splits > 1 and plain and part is None else ""
 
     def plan_for(splits: int, warmup: bool = False) -> _Plan:
         """The plan at (about) `splits` splits: whole loop steps a split, so the count may fall."""
@@ -1324,10 +1348,10 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
                 mode, extra = "launch", {}
         tree = _merge_tree(splits) if mode == "kernel" else 0
         counters = 0
-        if splits > 1 and not fmt.rotate and mode in ("kernel", "grid"):
+        if splits > 1 and plain and mode in ("kernel", "grid"):
             # grid: the splits stored, the merge programs done; tree: a counter per group, and one for the groups
             counters = B * H * (2 if mode == "grid" else (math.ceil(splits / tree) + 1 if tree else 1))
-        return _Plan(splits, bps, apart, splits == 1 and not fmt.rotate and part is None, mode, (B * H, splits + extra.get("GRID", 0)), counters,
+        return _Plan(splits, bps, apart, splits == 1 and plain and part is None, mode, (B * H, splits + extra.get("GRID", 0)), counters,
                      dict(consts, MERGE=mode == "kernel", TREE=tree, **extra), pdl,
                      merge_shape(B, Hq, D, sm, splits) if mode == "launch" else {}, dict(last, tree=tree, apart=apart, merge=mode))
 
@@ -1399,7 +1423,7 @@ def _decode_shared(st: _Setup, view: PagedView, start, scale, R: int, capturing:
              for name, s, v, part in (("shared", st_s, view_s, _Part(R, 0)), ("rest", st, view, _Part(1, c)))]
     S = plans[0].splits + plans[1].splits
     o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
-    o_r = torch.empty_like(o) if fmt.rotate else o
+    o_r = torch.empty_like(o) if _rotated_partials(plans[0]) else o
     lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     kernels = []
     for s, v, plan, part in ((st_s, view_s, plans[0], _Part(R, 0, 0, S)), (st, view, plans[1], _Part(1, c, plans[0].splits, S))):
@@ -1410,7 +1434,7 @@ def _decode_shared(st: _Setup, view: PagedView, start, scale, R: int, capturing:
                 shared_kernel=kernels[0], shared_grid=plans[0].grid)
     out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
     lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
-    if fmt.rotate:
+    if _rotated_partials(plans[0]):
         _merge_rotated(o, o_r, lse, out, lout, st.sm)
         return out, lout
     mk = None if key is None else (key, "merge", R, c)
@@ -1452,7 +1476,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None). Where the view's
     rows share their first blocks (view.shared) the call takes two launches (`_decode_shared`),
     unless `splits` asks for a split count (experiments) or a diagnostic hook is set."""
-    st = _setup(q[:, :, 0], view, start, "paged_decode_triton", consts=False)
+    st = _setup(q[:, :, 0], view, start, "paged_decode_triton", consts=False, rotate_q=not TUNE["rot_query"])
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     key = _plan_key(st, q, view, start, splits, capturing)
     R = 1
@@ -1472,7 +1496,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     LAST.update(kernel=_decode_kernel[plan.grid](*args, **plan.consts, **hooks), grid=plan.grid, shared=None, **plan.last)
     if plan.merged:
         return o, (lse if return_lse else None)
-    if st.fmt.rotate:
+    if _rotated_partials(plan):
         _merge_rotated(o, o_r, lse, out, lout, st.sm)
         return out, (lout if return_lse else None)
     if plan.mode == "launch":

@@ -563,14 +563,66 @@ def _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D: tl.constexpr, DV: tl.con
 
 
 @triton.jit
+def _fwht(x, N: tl.constexpr):
+    """x [M, N] fp32 times the Sylvester Hadamard matrix of N (a power of two) with its +-1
+    entries (unnormalized) along the last axis, as log2(N) butterfly stages in fp32: stage s
+    pairs the entries whose indices differ in bit s into (a + b, a - b)."""
+    M: tl.constexpr = x.shape[0]
+    for s in tl.static_range(16):
+        if (1 << s) < N:
+            a, b = tl.split(tl.permute(tl.reshape(x, (M, N // (2 << s), 2, 1 << s)), (0, 1, 3, 2)))
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (M, N))
+    return x
+
+
+@triton.jit
+def _hadamard_planes(x0, x1, x2, x3, PER: tl.constexpr, DS: tl.constexpr, scale):
+    """The PER sub-tiles x_r [M, DS] (channel PER * i + r) of vectors x [M, PER * DS] -> those
+    of x @ H, H the normalized Hadamard matrix of PER * DS (its entries' magnitude `scale`).
+    H's entry (PER * i + r, PER * j + t) is the product of H_PER's (r, t) and H_DS's (i, j) signs
+    (Sylvester's matrices: the popcount of a bitwise AND splits over the index's low and high
+    bits), so the sub-tiles mix by H_PER first and each is then transformed along DS."""
+    if PER == 2:
+        x0, x1 = x0 + x1, x0 - x1
+    if PER == 4:
+        s0 = x0 + x1
+        d0 = x0 - x1
+        s1 = x2 + x3
+        d1 = x2 - x3
+        x0, x1, x2, x3 = s0 + s1, d0 + d1, s0 - s1, d0 - d1
+    x0 = _fwht(x0, DS) * scale
+    if PER > 1:
+        x1 = _fwht(x1, DS) * scale
+    if PER > 2:
+        x2 = _fwht(x2, DS) * scale
+        x3 = _fwht(x3, DS) * scale
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _opaque(x, PTX: tl.constexpr):
+    """x (fp32) itself; compiled for a GPU (PTX), through a move the compiler must take as having
+    side effects. Triton sizes a tensor-core operand's registers (kWidth) by walking back through
+    its producers, and halves the size where the walk meets a join, as the butterflies' are: the
+    side loop's query operand then went through shared memory every page (sm_90: 1,140
+    instructions a page and 9 barriers, against 1,074 and 2). The walk stops at such a move."""
+    if PTX:
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+    return x
+
+
+@triton.jit
 def _load_queries(Q, QR, base, rows, rmask, stride, scale, D: tl.constexpr, PK: tl.constexpr, DK: tl.constexpr,
-                  ROTATE: tl.constexpr, K16: tl.constexpr, KDT: tl.constexpr, DOT: tl.constexpr):
+                  ROTATE: tl.constexpr, K16: tl.constexpr, KDT: tl.constexpr, DOT: tl.constexpr,
+                  ROT_Q: tl.constexpr = False, INV_SQRT_D: tl.constexpr = 1.0, PTX: tl.constexpr = False):
     """The query rows (offsets `rows` * stride from base, masked by rmask) as the kernels use
     them, scaled: q unrotated [rows, D] (sinks, tail), qp [rows, D] and its PK sub-tiles
-    qp0..qp3 [rows, DK] for the sealed pages (rotated with ROTATE), the sub-tiles in the
-    16-bit type K is dequantized into when K16 >= 3."""
+    qp0..qp3 [rows, DK] for the sealed pages (rotated with ROTATE: read from QR, or with ROT_Q
+    rotated here in fp32 from Q's, `_hadamard_planes`, INV_SQRT_D the entries' magnitude; PTX:
+    compiled for a GPU, see `_opaque`), the sub-tiles in the 16-bit type K is dequantized into
+    when K16 >= 3."""
     q = _load_q(Q, base, rows, rmask, 0, 1, D, stride, scale)
-    QP = QR if ROTATE else Q
+    QP = QR if ROTATE and not ROT_Q else Q
     qp = _load_q(QP, base, rows, rmask, 0, 1, D, stride, scale)
     qp0 = _load_q(QP, base, rows, rmask, 0, PK, DK, stride, scale)
     qp1 = qp0
@@ -581,6 +633,14 @@ def _load_queries(Q, QR, base, rows, rmask, stride, scale, D: tl.constexpr, PK: 
     if PK > 2:
         qp2 = _load_q(QP, base, rows, rmask, 2, PK, DK, stride, scale)
         qp3 = _load_q(QP, base, rows, rmask, 3, PK, DK, stride, scale)
+    if ROTATE and ROT_Q:
+        qp = _fwht(qp, D) * INV_SQRT_D
+        qp0, qp1, qp2, qp3 = _hadamard_planes(qp0, qp1, qp2, qp3, PK, DK, INV_SQRT_D)
+        qp = _opaque(qp, PTX)
+        qp0 = _opaque(qp0, PTX)
+        qp1 = _opaque(qp1, PTX)
+        qp2 = _opaque(qp2, PTX)
+        qp3 = _opaque(qp3, PTX)
     if K16 >= 3:  # fixed 16-bit queries for K dequantized in registers
         QT: tl.constexpr = KDT if K16 == 3 else DOT
         qp0 = qp0.to(QT)
@@ -613,15 +673,24 @@ def _acc_sealed(a0, a1, a2, a3, r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV: t
 
 @triton.jit
 def _finish(O, OR, LSE, orow, omask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D: tl.constexpr, PV: tl.constexpr,
-            ROTATE: tl.constexpr):
-    """Store the normalized outputs (rows orow of [*, D] O, and OR with ROTATE) and the
-    natural-log LSE (-inf and zeros for rows that saw no key)."""
+            ROTATE: tl.constexpr, ROT_O: tl.constexpr = False, INV_SQRT_D: tl.constexpr = 1.0):
+    """Store the normalized outputs (rows orow of [*, D] O, and with ROTATE the rotated ones to
+    OR, or with ROT_O rotated back here and added to O's) and the natural-log LSE (-inf and
+    zeros for rows that saw no key)."""
     seen = l_i > 0
     inv = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
     o_off = orow[:, None] * D + PV * offs_v[None, :]
     om = omask[:, None]
+    if ROTATE and ROT_O:
+        r0, r1, r2, r3 = _hadamard_planes(r0, r1, r2, r3, PV, D // PV, INV_SQRT_D)
+        a0 += r0
+        if PV > 1:
+            a1 += r1
+        if PV > 2:
+            a2 += r2
+            a3 += r3
     _store(O, o_off, a0, a1, a2, a3, inv, om, PV)
-    if ROTATE:
+    if ROTATE and not ROT_O:
         _store(OR, o_off, r0, r1, r2, r3, inv, om, PV)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
     tl.store(LSE + orow, lse, mask=omask)
