@@ -733,11 +733,11 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
     butterfly shuffles where it took 34; int8 1,315 instructions a page against 1,463)."""
     W: tl.constexpr = q30.shape[0]
     G_PAD: tl.constexpr = q30.shape[2]
+    W2: tl.constexpr = K_BITS == 2 and K16 == 1  # int2 codes as int16 words: two dots a sub-tile (below)
     st = tl.zeros((W, P, G_PAD), tl.float32)
-    corr = tl.zeros((W, DK, G_PAD), tl.float32)  # q*z [- 1024 * fp16(q*s)], summed once (K16 == 1)
+    corr = tl.zeros((W, DK // 2 if W2 else DK, G_PAD), tl.float32)  # q*z [- 1024 * fp16(q*s)], summed once (K16 == 1)
     rows = _side_rows(bh[:, None, None], sub[:, None, None], offs_p[None, :, None], P, PS)
-    W2: tl.constexpr = K_BITS == 2 and K16 == 1
-    if W2:  # int2 codes as int16 words (_int2_words_f16)
+    if W2:
         xk = tl.load(KC.to(tl.pointer_type(tl.int16)) + rows * (DK // 2) + tl.arange(0, DK // 2)[None, None, :])
     else:
         xk = tl.load(KC + rows * DK + offs_k[None, None, :])
@@ -749,18 +749,44 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
         idx = bh[:, None] * DK + offs_k[None, :]
         ksw = _words16(KS, idx, idx >= 0, PK)
         kzw = _words16(KZ, idx, idx >= 0, PK)
+    if W2:  # the words' low bytes hold channels 8j + r, their high bytes 8j + 4 + r: scales apart
+        offs_j = tl.arange(0, DK // 2)
+        chan = bh[:, None] * D + 8 * offs_j[None, :]
+        chan_hi = chan + 4
+        ksw_hi = xk
+        kzw_hi = xk
+        if W16:
+            idx = bh[:, None] * DK + 2 * offs_j[None, :]
+            ksw = _words16(KS, idx, idx >= 0, PK)
+            kzw = _words16(KZ, idx, idx >= 0, PK)
+            ksw_hi = _words16(KS, idx + 1, idx >= 0, PK)
+            kzw_hi = _words16(KZ, idx + 1, idx >= 0, PK)
     N: tl.constexpr = _codes_per_block(K_BITS, ASM, xk.dtype)
     for r in tl.static_range(PK):
         if W2:
-            c0 = _int2_words_f16(xk, r, TINY if TINY_CODES else BIASED, ASM)
-            c1 = c0
-            c2 = c0
-            c3 = c0
+            # Two dots, the low bytes' codes against the query's even columns and the high
+            # bytes' against its odd ones: joined into one operand, the codes made Triton halve
+            # both operands' register width (kWidth), which sent the query's through shared
+            # memory each sub-tile (sm_90: 1,491 instructions a page and 17 barriers, notes v42)
+            lo = _int2_f16(xk, 2 * r, TINY if TINY_CODES else BIASED, ASM)
+            hi = _int2_f16(xk, 2 * r + 8, TINY if TINY_CODES else BIASED, ASM)
+            ql, qh = tl.split(tl.permute(tl.reshape(_pick(q30, q31, q32, q33, r), (W, DK // 2, 2, G_PAD)), (0, 1, 3, 2)))
+            sl, zl = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
+            sh, zh = _k_scales(KS, KZ, ksw_hi, kzw_hi, chan_hi, chan_hi >= 0, r, W16)
+            qsl = (ql * sl.to(tl.float32)[:, :, None]).to(tl.float16)
+            qsh = (qh * sh.to(tl.float32)[:, :, None]).to(tl.float16)
+            corr += ql * zl.to(tl.float32)[:, :, None] + qh * zh.to(tl.float32)[:, :, None]
+            if not TINY_CODES:
+                corr -= 1024.0 * (qsl.to(tl.float32) + qsh.to(tl.float32))
+            st += tl.dot(lo, qsl)
+            st += tl.dot(hi, qsh)
         elif K16 == 1 and r % N == 0:
             c0, c1, c2, c3 = _codes_f16n(xk, r, K_BITS, ASM, TINY if TINY_CODES else BIASED)
         qr = _pick(q30, q31, q32, q33, r)
         sr, zr = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
-        if K16 == 1:
+        if W2:
+            pass
+        elif K16 == 1:
             qs = qr * sr.to(tl.float32)[:, :, None]
             if K_BITS == 4 and r % 2 == 1:
                 qs = qs * 0.0625  # against 1024 + 16 * code, or 16 * code tiny
