@@ -40,6 +40,7 @@ CASES = [
     (1, 150, 4, 2, 128, 16, dict(bits=8), True, 2),  # 8-bit V: one group of 128 channels a token (the default)
     (1, 150, 4, 2, 64, 16, dict(bits=2, group_size=8), True, 2),  # int2 V words: a group's 2 bytes a sub-tile, one word
     (1, 150, 4, 2, 64, 16, dict(bits=2, rotate=True, group_size=4), False, 2),  # 1 byte a group: V stays on bytes
+    (1, 200, 8, 2, 128, 16, dict(bits=2, rotate=True), True, 3),  # int2 K words in two dots a sub-tile (16 columns each)
 ]
 
 

@@ -733,9 +733,10 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
     butterfly shuffles where it took 34; int8 1,315 instructions a page against 1,463)."""
     W: tl.constexpr = q30.shape[0]
     G_PAD: tl.constexpr = q30.shape[2]
-    W2: tl.constexpr = K_BITS == 2 and K16 == 1  # int2 codes as int16 words: two dots a sub-tile (below)
+    W2: tl.constexpr = K_BITS == 2 and K16 == 1  # int2 codes as int16 words (_int2_words_f16)
+    HALF: tl.constexpr = W2 and DK // 2 >= 16  # ... in two dots a sub-tile where each keeps a dot's 16 columns (below)
     st = tl.zeros((W, P, G_PAD), tl.float32)
-    corr = tl.zeros((W, DK // 2 if W2 else DK, G_PAD), tl.float32)  # q*z [- 1024 * fp16(q*s)], summed once (K16 == 1)
+    corr = tl.zeros((W, DK // 2 if HALF else DK, G_PAD), tl.float32)  # q*z [- 1024 * fp16(q*s)], summed once (K16 == 1)
     rows = _side_rows(bh[:, None, None], sub[:, None, None], offs_p[None, :, None], P, PS)
     if W2:
         xk = tl.load(KC.to(tl.pointer_type(tl.int16)) + rows * (DK // 2) + tl.arange(0, DK // 2)[None, None, :])
@@ -749,7 +750,7 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
         idx = bh[:, None] * DK + offs_k[None, :]
         ksw = _words16(KS, idx, idx >= 0, PK)
         kzw = _words16(KZ, idx, idx >= 0, PK)
-    if W2:  # the words' low bytes hold channels 8j + r, their high bytes 8j + 4 + r: scales apart
+    if HALF:  # the words' low bytes hold channels 8j + r, their high bytes 8j + 4 + r: scales apart
         offs_j = tl.arange(0, DK // 2)
         chan = bh[:, None] * D + 8 * offs_j[None, :]
         chan_hi = chan + 4
@@ -763,7 +764,7 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
             kzw_hi = _words16(KZ, idx + 1, idx >= 0, PK)
     N: tl.constexpr = _codes_per_block(K_BITS, ASM, xk.dtype)
     for r in tl.static_range(PK):
-        if W2:
+        if HALF:
             # Two dots, the low bytes' codes against the query's even columns and the high
             # bytes' against its odd ones: joined into one operand, the codes made Triton halve
             # both operands' register width (kWidth), which sent the query's through shared
@@ -780,11 +781,16 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
                 corr -= 1024.0 * (qsl.to(tl.float32) + qsh.to(tl.float32))
             st += tl.dot(lo, qsl)
             st += tl.dot(hi, qsh)
+        elif W2:
+            c0 = _int2_words_f16(xk, r, TINY if TINY_CODES else BIASED, ASM)
+            c1 = c0
+            c2 = c0
+            c3 = c0
         elif K16 == 1 and r % N == 0:
             c0, c1, c2, c3 = _codes_f16n(xk, r, K_BITS, ASM, TINY if TINY_CODES else BIASED)
         qr = _pick(q30, q31, q32, q33, r)
         sr, zr = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
-        if W2:
+        if HALF:
             pass
         elif K16 == 1:
             qs = qr * sr.to(tl.float32)[:, :, None]
