@@ -835,6 +835,14 @@ TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnre
             rot_query=True, rot_out=True, shared_from=8192, shared_rows=8, shared_warps=1,
             prefill="auto", prefill_staged_from=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
+# rot_query, rot_out: rotated pages' queries rotated by each decode program, and its sealed
+# pages' share of the output rotated back before its partial is stored (fp32 butterflies,
+# `_hadamard_planes`), so that rotated splits merge as unrotated ones do (in the kernel, the
+# launch or the grid). Off: `rotate_triton` launches first, and `_merge_rotated` merges two
+# partials a split and rotates the result back. H200, the bench's whole call (scripts/bench_ab.py,
+# e544bed, notes v42), int4+rot with both / the output only / neither in the kernel, us: 4k 12.02
+# / 15.51 / 16.94, 128k 48.50 / 52.45 / 59.18, 512k 159.87 / 164.03 / 173.16; int2 at 128k 74.82 /
+# 81.22 / 87.51.
 # shared_from, shared_rows, shared_warps: where the rows of each run (a prompt's beams,
 # `PagedView.shared_run`) hold their first blocks alike and they reach shared_from tokens (0:
 # never), a decode call reads them in a launch of its own whose programs each take a group of a
