@@ -636,7 +636,7 @@ def _load_queries(Q, QR, base, rows, rmask, stride, scale, D: tl.constexpr, PK: 
     if ROTATE and ROT_Q:
         qp = _fwht(qp, D) * INV_SQRT_D
         qp0, qp1, qp2, qp3 = _hadamard_planes(qp0, qp1, qp2, qp3, PK, DK, INV_SQRT_D)
-        qp = _opaque(qp, PTX)
+        qp = _opaque(qp, PTX)  # (the 2-D loop's; the side loop takes the sub-tiles)
         qp0 = _opaque(qp0, PTX)
         qp1 = _opaque(qp1, PTX)
         qp2 = _opaque(qp2, PTX)
@@ -781,33 +781,32 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
                 corr -= 1024.0 * (qsl.to(tl.float32) + qsh.to(tl.float32))
             st += tl.dot(lo, qsl)
             st += tl.dot(hi, qsh)
-        elif W2:
-            c0 = _int2_words_f16(xk, r, TINY if TINY_CODES else BIASED, ASM)
-            c1 = c0
-            c2 = c0
-            c3 = c0
-        elif K16 == 1 and r % N == 0:
-            c0, c1, c2, c3 = _codes_f16n(xk, r, K_BITS, ASM, TINY if TINY_CODES else BIASED)
-        qr = _pick(q30, q31, q32, q33, r)
-        sr, zr = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
-        if HALF:
-            pass
-        elif K16 == 1:
-            qs = qr * sr.to(tl.float32)[:, :, None]
-            if K_BITS == 4 and r % 2 == 1:
-                qs = qs * 0.0625  # against 1024 + 16 * code, or 16 * code tiny
-            qs = qs.to(tl.float16)
-            if TINY_CODES:
-                corr += qr * zr.to(tl.float32)[:, :, None]
-            else:
-                corr += qr * zr.to(tl.float32)[:, :, None] - 1024.0 * qs.to(tl.float32)
-            st += tl.dot(_pick(c0, c1, c2, c3, r % N), qs)
-        elif K16 == 3:
-            kd = _codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[:, None, :] + zr.to(KDT)[:, None, :]
-            st += tl.dot(kd, qr)
         else:
-            kf = _f32(xk, r, K_BITS) * sr.to(tl.float32)[:, None, :] + zr.to(tl.float32)[:, None, :]
-            st += tl.dot(kf.to(DOT), qr.to(DOT), input_precision=PREC)
+            if W2:
+                c0 = _int2_words_f16(xk, r, TINY if TINY_CODES else BIASED, ASM)
+                c1 = c0
+                c2 = c0
+                c3 = c0
+            elif K16 == 1 and r % N == 0:
+                c0, c1, c2, c3 = _codes_f16n(xk, r, K_BITS, ASM, TINY if TINY_CODES else BIASED)
+            qr = _pick(q30, q31, q32, q33, r)
+            sr, zr = _k_scales(KS, KZ, ksw, kzw, chan, chan >= 0, r, W16)
+            if K16 == 1:
+                qs = qr * sr.to(tl.float32)[:, :, None]
+                if K_BITS == 4 and r % 2 == 1:
+                    qs = qs * 0.0625  # against 1024 + 16 * code, or 16 * code tiny
+                qs = qs.to(tl.float16)
+                if TINY_CODES:
+                    corr += qr * zr.to(tl.float32)[:, :, None]
+                else:
+                    corr += qr * zr.to(tl.float32)[:, :, None] - 1024.0 * qs.to(tl.float32)
+                st += tl.dot(_pick(c0, c1, c2, c3, r % N), qs)
+            elif K16 == 3:
+                kd = _codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[:, None, :] + zr.to(KDT)[:, None, :]
+                st += tl.dot(kd, qr)
+            else:
+                kf = _f32(xk, r, K_BITS) * sr.to(tl.float32)[:, None, :] + zr.to(tl.float32)[:, None, :]
+                st += tl.dot(kf.to(DOT), qr.to(DOT), input_precision=PREC)
     s = tl.permute(st, (0, 2, 1))
     if K16 == 1 and TINY_CODES:
         s = s * 16777216.0 + tl.sum(corr, 1)[:, :, None]  # tiny codes: units of 2^-24
