@@ -852,6 +852,30 @@ def test_unknown_kernel_options_are_refused(tune, monkeypatch):
         paged_decode_triton(q, _to(cache.view(0), DEVICE), None, 64**-0.5)
 
 
+@pytest.mark.parametrize("side", ["k_codes", "v_codes"])
+def test_int2_codes_at_an_odd_address_are_refused(side):
+    """The side loop reads int2 codes as 16-bit words: a pool that starts at an odd address (a
+    view into a larger buffer) is refused with an error naming the side, where the GPU would
+    fault on the misaligned loads; the same codes copied to an aligned pool decode as before."""
+    import dataclasses
+
+    cfg = KVConfig(bits=2, rotate=True, block_size=16)
+    cache, _, _ = fill(cfg, 1, 100, 1, 2, 64, dtype=torch.float16, seed=5)
+    view = _to(cache.view(0), DEVICE)
+    q = torch.randn(1, 4, 1, 64, generator=torch.Generator().manual_seed(6)).half().to(DEVICE)
+    codes = getattr(view.pages, side)
+    buf = torch.empty(codes.numel() + 1, dtype=torch.uint8, device=DEVICE)
+    odd = buf[1:].view(codes.shape)
+    odd.copy_(codes)
+    bad = dataclasses.replace(view, pages=dataclasses.replace(view.pages, **{side: odd}))
+    with pytest.raises(ValueError, match=f"int2 {side[0].upper()} codes .* even address"):
+        paged_decode_triton(q, bad, None, 64**-0.5)
+    even = buf[: codes.numel()].view(codes.shape)
+    even.copy_(codes)
+    good = dataclasses.replace(view, pages=dataclasses.replace(view.pages, **{side: even}))
+    assert torch.equal(paged_decode_triton(q, good, None, 64**-0.5)[0], paged_decode_triton(q, view, None, 64**-0.5)[0])
+
+
 @pytest.mark.parametrize("splits", [1, 5, 37, 131])
 @pytest.mark.parametrize("sm", [4, 132])
 def test_merge_rotated(splits, sm):

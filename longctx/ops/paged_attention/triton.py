@@ -1247,6 +1247,13 @@ def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan, part: _
     slots both parts share."""
     q, fmt = st.q, st.fmt
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+    c = plan.consts
+    if c["WP"]:  # the side loop reads int2 codes as int16 words (triton_tiles' _int2_*): they must start on one
+        for side, bits, codes, words in (("K", fmt.k_bits, st.pools[2], c["K16"] == 1),
+                                         ("V", fmt.v_bits, st.pools[5], c["SVT"] and fmt.group_size // c["PV"] % 2 == 0)):
+            if bits == 2 and words and codes.data_ptr() % 2:
+                raise ValueError(f"paged_decode_triton: the int2 {side} codes are read as 16-bit words and must start at an even "
+                                 f"address; this pool starts at an odd one (a view of a larger buffer?)")
     if part is not None:
         o, o_r, lse = bufs
         first, slot0, slots = part.first, part.slot0, part.slots
