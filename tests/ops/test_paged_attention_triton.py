@@ -955,6 +955,7 @@ def test_rotated_partials_merge_as_unrotated_ones(merge, monkeypatch):
     monkeypatch.setitem(TUNE, "merge", merge)
     for case in ROTATED_CASES[:2]:
         _within_budget(case, dtypes()[-1])
+        assert K.LAST["merge"] == merge  # (not `_merge_rotated`, which would leave it "")
 
 
 @pytest.mark.parametrize("splits", [1, 5, 37, 131])
