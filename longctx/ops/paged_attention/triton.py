@@ -1235,10 +1235,11 @@ def _plan_key(st: _Setup, q, view: PagedView, start, splits, capturing: bool):
             st.n_sink, st.tail_len > 0, view.tail_len is None, view.n_blocks is None, splits, capturing, tiny, tuple(TUNE.items()))
 
 
-def _rotated_partials(plan: _Plan) -> bool:
-    """Whether the plan's launch stores its sealed pages' share rotated, apart (OR), for
-    `_merge_rotated` to rotate back: rotated pages, with TUNE["rot_out"] off."""
-    return plan.consts["ROTATE"] and not plan.consts["ROT_O"]
+def _rotated_partials(consts: dict) -> bool:
+    """Whether a decode launch with these constexprs (a plan's) stores its sealed pages' share
+    rotated, apart (OR), for `_merge_rotated` to rotate back: rotated pages, with
+    TUNE["rot_out"] off."""
+    return consts["ROTATE"] and not consts["ROT_O"]
 
 
 def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan, part: _Part | None = None, bufs=None):
@@ -1248,7 +1249,7 @@ def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan, part: _
     q, fmt = st.q, st.fmt
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
     c = plan.consts
-    if c["WP"]:  # the side loop reads int2 codes as int16 words (triton_tiles' _int2_*): they must start on one
+    if c["WP"] and 2 in (fmt.k_bits, fmt.v_bits):  # the side loop reads int2 codes as int16 words (triton_tiles' _int2_*)
         for side, bits, codes, words in (("K", fmt.k_bits, st.pools[2], c["K16"] == 1),
                                          ("V", fmt.v_bits, st.pools[5], c["SVT"] and fmt.group_size // c["PV"] % 2 == 0)):
             if bits == 2 and words and codes.data_ptr() % 2:
@@ -1259,11 +1260,11 @@ def _decode_args(st: _Setup, view: PagedView, start, scale, plan: _Plan, part: _
         first, slot0, slots = part.first, part.slot0, part.slots
     else:
         o = torch.empty(B, Hq, plan.splits, D, dtype=q.dtype if plan.merged else torch.float32, device=q.device)
-        o_r = torch.empty_like(o) if _rotated_partials(plan) else o
+        o_r = torch.empty_like(o) if _rotated_partials(plan.consts) else o
         lse = torch.empty(B, Hq, plan.splits, dtype=torch.float32, device=q.device)
         first, slot0, slots = 0, 0, plan.splits
     out, lout, count = o, lse, st.table
-    if part is None and (plan.splits > 1 or _rotated_partials(plan)):  # (rotated partials: `_merge_rotated` writes them)
+    if part is None and (plan.splits > 1 or _rotated_partials(plan.consts)):  # (rotated partials: `_merge_rotated` writes them)
         out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
         lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
         if plan.counters:
@@ -1332,7 +1333,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     last = dict(side=side, k16=k16, svt=svt, zdot=consts["ZDOT"], skip=consts["SKIP"], short=short, mask=consts["MASK"], tiny=consts["TINY_CODES"])
 
     # the partials are unrotated: they merge as such (else `_merge_rotated` merges them)
-    plain = not fmt.rotate or consts["ROT_O"]
+    plain = not _rotated_partials(consts)
 
     def merge_mode(splits: int) -> str:
         """How the splits merge: "kernel" (the last split), "grid" (merge programs in the same
@@ -1438,7 +1439,7 @@ def _decode_shared(st: _Setup, view: PagedView, start, scale, R: int, capturing:
              for name, s, v, part in (("shared", st_s, view_s, _Part(R, 0)), ("rest", st, view, _Part(1, c)))]
     S = plans[0].splits + plans[1].splits
     o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
-    o_r = torch.empty_like(o) if _rotated_partials(plans[0]) else o
+    o_r = torch.empty_like(o) if _rotated_partials(plans[0].consts) else o
     lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     kernels = []
     for s, v, plan, part in ((st_s, view_s, plans[0], _Part(R, 0, 0, S)), (st, view, plans[1], _Part(1, c, plans[0].splits, S))):
@@ -1449,7 +1450,7 @@ def _decode_shared(st: _Setup, view: PagedView, start, scale, R: int, capturing:
                 shared_kernel=kernels[0], shared_grid=plans[0].grid)
     out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
     lout = torch.empty(B, Hq, 1, dtype=torch.float32, device=q.device)
-    if _rotated_partials(plans[0]):
+    if _rotated_partials(plans[0].consts):
         _merge_rotated(o, o_r, lse, out, lout, st.sm)
         return out, lout
     mk = None if key is None else (key, "merge", R, c)
@@ -1511,7 +1512,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     LAST.update(kernel=_decode_kernel[plan.grid](*args, **plan.consts, **hooks), grid=plan.grid, shared=None, **plan.last)
     if plan.merged:
         return o, (lse if return_lse else None)
-    if _rotated_partials(plan):
+    if _rotated_partials(plan.consts):
         _merge_rotated(o, o_r, lse, out, lout, st.sm)
         return out, (lout if return_lse else None)
     if plan.mode == "launch":
