@@ -743,23 +743,22 @@ def _side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
     else:
         xk = tl.load(KC + rows * DK + offs_k[None, None, :])
     W16: tl.constexpr = KS.dtype.element_ty.primitive_bitwidth == 16
-    chan = bh[:, None] * D + PK * offs_k[None, :]  # channel PK*i of each page's head
+    # K's scales and zeros, as words of PK 16-bit values (W16) or at channels chan + r: the
+    # channels PK*i of each page's head, or with HALF the words' low bytes' 8j (the high
+    # bytes' 8j + 4 apart: chan_hi, ksw_hi, kzw_hi)
+    step: tl.constexpr = 2 if HALF else 1
+    offs_c = tl.arange(0, DK // step)
+    chan = bh[:, None] * D + PK * step * offs_c[None, :]
+    chan_hi = chan + 4
+    idx = bh[:, None] * DK + step * offs_c[None, :]
     ksw = xk
     kzw = xk
+    ksw_hi = xk
+    kzw_hi = xk
     if W16:
-        idx = bh[:, None] * DK + offs_k[None, :]
         ksw = _words16(KS, idx, idx >= 0, PK)
         kzw = _words16(KZ, idx, idx >= 0, PK)
-    if HALF:  # the words' low bytes hold channels 8j + r, their high bytes 8j + 4 + r: scales apart
-        offs_j = tl.arange(0, DK // 2)
-        chan = bh[:, None] * D + 8 * offs_j[None, :]
-        chan_hi = chan + 4
-        ksw_hi = xk
-        kzw_hi = xk
-        if W16:
-            idx = bh[:, None] * DK + 2 * offs_j[None, :]
-            ksw = _words16(KS, idx, idx >= 0, PK)
-            kzw = _words16(KZ, idx, idx >= 0, PK)
+        if HALF:
             ksw_hi = _words16(KS, idx + 1, idx >= 0, PK)
             kzw_hi = _words16(KZ, idx + 1, idx >= 0, PK)
     N: tl.constexpr = _codes_per_block(K_BITS, ASM, xk.dtype)
