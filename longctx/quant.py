@@ -14,7 +14,8 @@ Every backend shares this contract (../shared/DESIGN.md, "The quantized block fo
   and every value reconstructs within half a (stored) step. A constant range gives scale 0
   and exact reconstruction; NaN/Inf input raises instead of poisoning a block.
 - Optional rotation: x @ H with H the normalized Hadamard matrix (H @ H = I), applied by the
-  cache before quantizing and undone after dequantizing (or folded into the query).
+  cache before quantizing (`rotate_to_seal`: the same bits on every device and backend) and
+  undone after dequantizing (or folded into the query).
 
 Shapes: K block data [..., P, D] -> codes [..., P, D*bits/8] uint8, scale/zero [..., D];
 V block data [..., P, D] -> codes [..., P, D*bits/8] uint8, scale/zero [..., P, D/group].
@@ -110,6 +111,28 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     """x @ H along the last dim, computed in fp32 and returned in x's dtype. Self-inverse."""
     h = hadamard(x.shape[-1], torch.float32, x.device)
     return (x.float() @ h).to(x.dtype)
+
+
+def rotate_to_seal(x: torch.Tensor) -> torch.Tensor:
+    """x @ H along the last dim as sealing quantizes it, in x's dtype: log2(D) butterfly stages
+    in fp64 (stage s pairs the channels whose indices differ in bit s into (a + b, a - b), from
+    s = 0 up), times H's entry magnitude (`hadamard_scale`), rounded to fp32 and then to x's
+    dtype. The fp64 sums of 16-bit values are exact, of fp32 ones while a row's magnitudes
+    span less than 2^22, and the Triton sealing kernel (`hadamard_planes`) runs these very
+    operations in this order, so a block seals to the same bits on any device and backend;
+    `rotate`'s fp32 matmul rounds its sums as each BLAS does."""
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"rotate_to_seal: the last dim must be a power of two, got {d}")
+    y = x.double()
+    lead = y.shape[:-1]
+    h = 1
+    while h < d:
+        pairs = y.reshape(*lead, d // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).reshape(*lead, d)
+        h *= 2
+    return (y * hadamard_scale(d)).float().to(x.dtype)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .config import KVConfig
-from .quant import dequantize_k, dequantize_v, quantize_k, quantize_v, rotate
+from .quant import dequantize_k, dequantize_v, quantize_k, quantize_v, rotate, rotate_to_seal
 
 
 def random_kv(batch: int, heads: int, tokens: int, dim: int, *, dtype=torch.float32, seed: int = 0, outliers: bool = True):
@@ -42,11 +42,11 @@ def expected_dense(k: torch.Tensor, v: torch.Tensor, cfg: KVConfig, layer: int =
         sl = slice(j * P, (j + 1) * P)
         kk, vv = k[:, :, sl], v[:, :, sl]
         if kb != 16:
-            kr = rotate(kk) if cfg.rotate else kk
+            kr = rotate_to_seal(kk) if cfg.rotate else kk
             deq = dequantize_k(*quantize_k(kr, kb, k.dtype), kb, torch.float32)
             ko[:, :, sl] = (rotate(deq) if cfg.rotate else deq).to(k.dtype)
         if vb != 16:
-            vr = rotate(vv) if cfg.rotate else vv
+            vr = rotate_to_seal(vv) if cfg.rotate else vv
             deq = dequantize_v(*quantize_v(vr, vb, cfg.group_size, v.dtype), vb, cfg.group_size, torch.float32)
             vo[:, :, sl] = (rotate(deq) if cfg.rotate else deq).to(v.dtype)
     return ko, vo

@@ -8,6 +8,10 @@ the power of two are taken back out at the end. The gather rotates its pages bac
 `rotate_triton` rotates the decode and prefill queries of rotated pages in one launch, where
 torch took three (a cast, the fp32 product and a cast back).
 
+The butterflies (`fwht`, `hadamard_planes`) rotate values held as a kernel's channel sub-tiles
+without any product: the decode kernel rotates its queries and its output with them in fp32, and
+the sealing kernel rotates K and V in fp64 before quantizing them.
+
 Never imports quant's torch rotation for its results; tests/ops/test_rotation.py compares
 `rotate_triton` with fp64.
 """
@@ -50,6 +54,44 @@ def dot_signs(x, signs, acc, PARTS: tl.constexpr = 2):
     if PARTS == 3:
         acc = tl.dot(low, signs, acc)
     return acc
+
+
+@triton.jit
+def fwht(x, N: tl.constexpr):
+    """x [M, N] (fp32 or fp64) times the Sylvester Hadamard matrix of N (a power of two) with its
+    +-1 entries (unnormalized) along the last axis, as log2(N) butterfly stages in x's dtype:
+    stage s = 0, 1, ... pairs the entries whose indices differ in bit s into (a + b, a - b)."""
+    M: tl.constexpr = x.shape[0]
+    for s in tl.static_range(16):
+        if (1 << s) < N:
+            a, b = tl.split(tl.permute(tl.reshape(x, (M, N // (2 << s), 2, 1 << s)), (0, 1, 3, 2)))
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (M, N))
+    return x
+
+
+@triton.jit
+def hadamard_planes(x0, x1, x2, x3, PER: tl.constexpr, DS: tl.constexpr, scale):
+    """The PER sub-tiles x_r [M, DS] (channel PER * i + r) of vectors x [M, PER * DS] -> those
+    of x @ H, H the normalized Hadamard matrix of PER * DS (its entries' magnitude `scale`).
+    H's entry (PER * i + r, PER * j + t) is the product of H_PER's (r, t) and H_DS's (i, j) signs
+    (Sylvester's matrices: the popcount of a bitwise AND splits over the index's low and high
+    bits), so the sub-tiles mix by H_PER first and each is then transformed along DS: the
+    stages run over the channel's bits from the lowest, `quant.rotate_to_seal`'s order."""
+    if PER == 2:
+        x0, x1 = x0 + x1, x0 - x1
+    if PER == 4:
+        s0 = x0 + x1
+        d0 = x0 - x1
+        s1 = x2 + x3
+        d1 = x2 - x3
+        x0, x1, x2, x3 = s0 + s1, d0 + d1, s0 - s1, d0 - d1
+    x0 = fwht(x0, DS) * scale
+    if PER > 1:
+        x1 = fwht(x1, DS) * scale
+    if PER > 2:
+        x2 = fwht(x2, DS) * scale
+        x3 = fwht(x3, DS) * scale
+    return x0, x1, x2, x3
 
 
 @triton.jit(do_not_specialize=["n_rows", "n1", "n2", "sx0", "sx1", "sx2", "sy0", "sy1", "sy2"])

@@ -837,7 +837,7 @@ TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnre
             prefill_k16=4, prefill_v16=False)
 # rot_query, rot_out: rotated pages' queries rotated by each decode program, and its sealed
 # pages' share of the output rotated back before its partial is stored (fp32 butterflies,
-# `_hadamard_planes`), so that rotated splits merge as unrotated ones do (in the kernel, the
+# `hadamard_planes`), so that rotated splits merge as unrotated ones do (in the kernel, the
 # launch or the grid). Off: `rotate_triton` launches first, and `_merge_rotated` merges two
 # partials a split and rotates the result back. H200, the bench's whole call (scripts/bench_ab.py,
 # e544bed, notes v42), int4+rot with both / the output only / neither in the kernel, us: 4k 12.02

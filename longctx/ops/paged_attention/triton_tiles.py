@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..rotation import fwht, hadamard_planes
+
 NEG_BIG = tl.constexpr(-1.0e30)
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -563,43 +565,6 @@ def _page_values(VD, VC, VS, VZ, row, ok, p, offs_v, D: tl.constexpr, DV: tl.con
 
 
 @triton.jit
-def _fwht(x, N: tl.constexpr):
-    """x [M, N] fp32 times the Sylvester Hadamard matrix of N (a power of two) with its +-1
-    entries (unnormalized) along the last axis, as log2(N) butterfly stages in fp32: stage s
-    pairs the entries whose indices differ in bit s into (a + b, a - b)."""
-    M: tl.constexpr = x.shape[0]
-    for s in tl.static_range(16):
-        if (1 << s) < N:
-            a, b = tl.split(tl.permute(tl.reshape(x, (M, N // (2 << s), 2, 1 << s)), (0, 1, 3, 2)))
-            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (M, N))
-    return x
-
-
-@triton.jit
-def _hadamard_planes(x0, x1, x2, x3, PER: tl.constexpr, DS: tl.constexpr, scale):
-    """The PER sub-tiles x_r [M, DS] (channel PER * i + r) of vectors x [M, PER * DS] -> those
-    of x @ H, H the normalized Hadamard matrix of PER * DS (its entries' magnitude `scale`).
-    H's entry (PER * i + r, PER * j + t) is the product of H_PER's (r, t) and H_DS's (i, j) signs
-    (Sylvester's matrices: the popcount of a bitwise AND splits over the index's low and high
-    bits), so the sub-tiles mix by H_PER first and each is then transformed along DS."""
-    if PER == 2:
-        x0, x1 = x0 + x1, x0 - x1
-    if PER == 4:
-        s0 = x0 + x1
-        d0 = x0 - x1
-        s1 = x2 + x3
-        d1 = x2 - x3
-        x0, x1, x2, x3 = s0 + s1, d0 + d1, s0 - s1, d0 - d1
-    x0 = _fwht(x0, DS) * scale
-    if PER > 1:
-        x1 = _fwht(x1, DS) * scale
-    if PER > 2:
-        x2 = _fwht(x2, DS) * scale
-        x3 = _fwht(x3, DS) * scale
-    return x0, x1, x2, x3
-
-
-@triton.jit
 def _opaque(x, PTX: tl.constexpr):
     """x (fp32) itself; compiled for a GPU (PTX), through a move the compiler must take as having
     side effects. Triton sizes a tensor-core operand's registers (kWidth) by walking back through
@@ -618,7 +583,7 @@ def _load_queries(Q, QR, base, rows, rmask, stride, scale, D: tl.constexpr, PK: 
     """The query rows (offsets `rows` * stride from base, masked by rmask) as the kernels use
     them, scaled: q unrotated [rows, D] (sinks, tail), qp [rows, D] and its PK sub-tiles
     qp0..qp3 [rows, DK] for the sealed pages (rotated with ROTATE: read from QR, or with ROT_Q
-    rotated here in fp32 from Q's, `_hadamard_planes`, INV_SQRT_D the entries' magnitude; PTX:
+    rotated here in fp32 from Q's, `hadamard_planes`, INV_SQRT_D the entries' magnitude; PTX:
     compiled for a GPU, see `_opaque`), the sub-tiles in the 16-bit type K is dequantized into
     when K16 >= 3."""
     q = _load_q(Q, base, rows, rmask, 0, 1, D, stride, scale)
@@ -634,8 +599,8 @@ def _load_queries(Q, QR, base, rows, rmask, stride, scale, D: tl.constexpr, PK: 
         qp2 = _load_q(QP, base, rows, rmask, 2, PK, DK, stride, scale)
         qp3 = _load_q(QP, base, rows, rmask, 3, PK, DK, stride, scale)
     if ROTATE and ROT_Q:
-        qp = _fwht(qp, D) * INV_SQRT_D
-        qp0, qp1, qp2, qp3 = _hadamard_planes(qp0, qp1, qp2, qp3, PK, DK, INV_SQRT_D)
+        qp = fwht(qp, D) * INV_SQRT_D
+        qp0, qp1, qp2, qp3 = hadamard_planes(qp0, qp1, qp2, qp3, PK, DK, INV_SQRT_D)
         qp = _opaque(qp, PTX)  # (the 2-D loop's; the side loop takes the sub-tiles)
         qp0 = _opaque(qp0, PTX)
         qp1 = _opaque(qp1, PTX)
@@ -682,7 +647,7 @@ def _finish(O, OR, LSE, orow, omask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, o
     o_off = orow[:, None] * D + PV * offs_v[None, :]
     om = omask[:, None]
     if ROTATE and ROT_O:
-        r0, r1, r2, r3 = _hadamard_planes(r0, r1, r2, r3, PV, D // PV, INV_SQRT_D)
+        r0, r1, r2, r3 = hadamard_planes(r0, r1, r2, r3, PV, D // PV, INV_SQRT_D)
         a0 += r0
         if PV > 1:
             a1 += r1

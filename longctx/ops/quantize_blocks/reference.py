@@ -1,10 +1,10 @@
-"""Eager torch definition of sealing: rotate (optional), then quant.py's K/V quantizers."""
+"""Eager torch definition of sealing: rotate (optional, `rotate_to_seal`), then quant.py's K/V quantizers."""
 
 from __future__ import annotations
 
 import torch
 
-from ...quant import BlockFormat, quantize_k, quantize_v, rotate
+from ...quant import BlockFormat, quantize_k, quantize_v, rotate_to_seal
 
 
 def quantize_blocks_reference(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat) -> dict[str, torch.Tensor]:
@@ -12,11 +12,11 @@ def quantize_blocks_reference(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat
     if fmt.k_bits == 16:
         out["k"] = k.to(fmt.dtype)
     else:
-        kq = rotate(k) if fmt.rotate else k
+        kq = rotate_to_seal(k) if fmt.rotate else k
         out["k_codes"], out["k_scale"], out["k_zero"] = quantize_k(kq, fmt.k_bits, fmt.dtype)
     if fmt.v_bits == 16:
         out["v"] = v.to(fmt.dtype)
     else:
-        vq = rotate(v) if fmt.rotate else v
+        vq = rotate_to_seal(v) if fmt.rotate else v
         out["v_codes"], out["v_scale"], out["v_zero"] = quantize_v(vq, fmt.v_bits, fmt.group_size, fmt.dtype)
     return out

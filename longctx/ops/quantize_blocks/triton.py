@@ -5,7 +5,9 @@ One program per (block, KV head) quantizes K (per channel over the block's P tok
 rounded down and scale rounded up to the storage dtype, codes computed against the stored
 values, a constant range gives scale 0. Work is done in byte "planes" (plane r holds
 channels r, r+PER, ...; PER = 8/bits) so packing is a shift-or of planes, never an
-interleave. Rotation, when asked for, is applied in torch before the launch.
+interleave. Rotated formats are rotated in the same program, on the planes, before their
+ranges are taken: fp64 butterflies rounded to the input's dtype, `quant.rotate_to_seal` bit
+for bit, so a rotated block needs no other launch and no rotated copy of the input.
 
 Never imports the reference; tests/ops/test_quantize_blocks.py compares the two.
 """
@@ -16,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ...quant import BlockFormat, rotate
+from ...quant import BlockFormat, hadamard_scale
 from ..backend import TRITON_OPTIONS
 from ..pages import Pages, placeholders
+from ..rotation import hadamard_planes
 
 
 @triton.jit
@@ -64,6 +67,55 @@ def _codes(x, s, z, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _rotated_planes(X, xb, s_x_p, P: tl.constexpr, PER: tl.constexpr, DS: tl.constexpr, SCALE: tl.constexpr):
+    """The PER planes [P, DS] (plane r: channels r, r + PER, ...) of the block at X + xb rotated
+    as `quant.rotate_to_seal`: butterflies in fp64 (`hadamard_planes`), rounded to fp32 and then
+    to X's dtype, held in fp64 for the range math. Planes past PER repeat plane 0."""
+    offs = tl.arange(0, P)[:, None] * s_x_p + PER * tl.arange(0, DS)[None, :]
+    x0 = tl.load(X + xb + offs).to(tl.float64)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if PER > 1:
+        x1 = tl.load(X + xb + offs + 1).to(tl.float64)
+    if PER > 2:
+        x2 = tl.load(X + xb + offs + 2).to(tl.float64)
+        x3 = tl.load(X + xb + offs + 3).to(tl.float64)
+    x0, x1, x2, x3 = hadamard_planes(x0, x1, x2, x3, PER, DS, SCALE)
+    DT: tl.constexpr = X.dtype.element_ty
+    x0 = x0.to(tl.float32).to(DT).to(tl.float64)
+    x1 = x1.to(tl.float32).to(DT).to(tl.float64)
+    x2 = x2.to(tl.float32).to(DT).to(tl.float64)
+    x3 = x3.to(tl.float32).to(DT).to(tl.float64)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _no_planes(P: tl.constexpr, DS: tl.constexpr):
+    """Placeholders for `_plane`'s planes where nothing is rotated (never read)."""
+    z = tl.zeros((P, DS), tl.float64)
+    return z, z, z, z
+
+
+@triton.jit
+def _plane(X, xb, s_x_p, r: tl.constexpr, P: tl.constexpr, PER: tl.constexpr, DS: tl.constexpr,
+           ROT: tl.constexpr, x0, x1, x2, x3):
+    """Plane r [P, DS] fp64 of the block at X + xb: the rotated x_r where ROT, else loaded."""
+    if ROT:
+        if r == 0:
+            x = x0
+        elif r == 1:
+            x = x1
+        elif r == 2:
+            x = x2
+        else:
+            x = x3
+    else:
+        x = tl.load(X + xb + tl.arange(0, P)[:, None] * s_x_p + (r + PER * tl.arange(0, DS))[None, :]).to(tl.float64)
+    return x
+
+
+@triton.jit
 def _quantize_kernel(
     K, V, KC, KS, KZ, VC, VS, VZ, IDS,
     s_x_n, s_x_h, s_x_p,
@@ -73,6 +125,7 @@ def _quantize_kernel(
     s_vs_n, s_vs_h, s_vs_p,
     H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, SDT: tl.constexpr, BITS16: tl.constexpr, HAS_IDS: tl.constexpr,
+    ROT: tl.constexpr, SCALE: tl.constexpr,
 ):
     """Block n of the input is written at output row IDS[n] (pool slots) with HAS_IDS, else n."""
     pid = tl.program_id(0)
@@ -88,10 +141,13 @@ def _quantize_kernel(
         DK: tl.constexpr = D // PK
         QK: tl.constexpr = (1 << K_BITS) - 1
         offs_i = tl.arange(0, DK)
+        k0, k1, k2, k3 = _no_planes(P, DK)
+        if ROT:
+            k0, k1, k2, k3 = _rotated_planes(K, xb, s_x_p, P, PK, DK, SCALE)
         packed = tl.zeros((P, DK), tl.uint8)
         for r in tl.static_range(PK):
             ch = r + PK * offs_i
-            x = tl.load(K + xb + offs_p[:, None] * s_x_p + ch[None, :]).to(tl.float64)
+            x = _plane(K, xb, s_x_p, r, P, PK, DK, ROT, k0, k1, k2, k3)
             s, z = _range_to_scale(tl.min(x, 0), tl.max(x, 0), QK, SDT, BITS16)
             sb = o * s_ks_n + h * s_ks_h + ch
             tl.store(KS + sb, s)
@@ -107,8 +163,11 @@ def _quantize_kernel(
         offs_j = tl.arange(0, DV)
         lo = tl.full((P, NG), float("inf"), tl.float64)
         hi = tl.full((P, NG), float("-inf"), tl.float64)
+        v0, v1, v2, v3 = _no_planes(P, DV)
+        if ROT:
+            v0, v1, v2, v3 = _rotated_planes(V, xb, s_x_p, P, PV, DV, SCALE)
         for r in tl.static_range(PV):
-            x = tl.load(V + xb + offs_p[:, None] * s_x_p + (r + PV * offs_j)[None, :]).to(tl.float64)
+            x = _plane(V, xb, s_x_p, r, P, PV, DV, ROT, v0, v1, v2, v3)
             lo = tl.minimum(lo, tl.min(tl.reshape(x, (P, NG, W)), 2))
             hi = tl.maximum(hi, tl.max(tl.reshape(x, (P, NG, W)), 2))
         s, z = _range_to_scale(lo, hi, QV, SDT, BITS16)
@@ -119,7 +178,7 @@ def _quantize_kernel(
         zb = tl.reshape(tl.broadcast_to(z[:, :, None], (P, NG, W)), (P, DV))
         packed = tl.zeros((P, DV), tl.uint8)
         for r in tl.static_range(PV):
-            x = tl.load(V + xb + offs_p[:, None] * s_x_p + (r + PV * offs_j)[None, :]).to(tl.float64)
+            x = _plane(V, xb, s_x_p, r, P, PV, DV, ROT, v0, v1, v2, v3)
             packed = packed | (_codes(x, sb, zb, QV) << (r * V_BITS))
         tl.store(VC + o * s_vc_n + h * s_vc_h + offs_p[:, None] * s_vc_p + offs_j[None, :], packed)
 
@@ -171,14 +230,13 @@ def _check(k: torch.Tensor, v: torch.Tensor) -> None:
 
 def _launch(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, out: dict, ids: torch.Tensor | None) -> None:
     """The sealing kernel over k, v [N, H, P, D] into out's quantized fields (rows ids[n] when
-    ids is given, else n). Unrotated inputs are read in place when K and V share strides
-    with unit channel stride (a block of the cache's tail is such a view)."""
+    ids is given, else n). The inputs are read in place when K and V share strides with unit
+    channel stride (a block of the cache's tail is such a view). A rotated program holds all
+    of a block's planes at once, in fp64, on a warp per 512 of its values (4 to 16 warps)."""
     N = k.shape[0]
     if N == 0 or (fmt.k_bits == 16 and fmt.v_bits == 16):
         return
-    if fmt.rotate:
-        kq, vq = rotate(k).contiguous(), rotate(v).contiguous()
-    elif k.stride() == v.stride() and k.stride(-1) == 1:
+    if k.stride() == v.stride() and k.stride(-1) == 1:
         kq, vq = k, v
     else:
         kq, vq = k.contiguous(), v.contiguous()
@@ -193,5 +251,7 @@ def _launch(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, out: dict, ids: 
         VC.stride(0), VC.stride(1), VC.stride(2),
         VS.stride(0), VS.stride(1), VS.stride(2),
         H=fmt.num_kv_heads, P=fmt.block_size, D=fmt.head_dim, GS=fmt.group_size, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
-        SDT=_SDT[fmt.dtype], BITS16=fmt.dtype != torch.float32, HAS_IDS=ids is not None, num_warps=4, **TRITON_OPTIONS,
+        SDT=_SDT[fmt.dtype], BITS16=fmt.dtype != torch.float32, HAS_IDS=ids is not None,
+        ROT=fmt.rotate, SCALE=hadamard_scale(fmt.head_dim) if fmt.rotate else 1.0,
+        num_warps=min(16, max(4, fmt.block_size * fmt.head_dim // 512)) if fmt.rotate else 4, **TRITON_OPTIONS,
     )
