@@ -1,6 +1,7 @@
 """Sweep the prefill kernel's shape on the GPU against the staged path, one layer.
 
 Usage (GPU machine, repo root): python3 scripts/diag_prefill.py [FORMAT] [CASES] [VARIANTS]
+  FORMAT: a `bench` format name (int4, int8, int4+rot, int2, ...)
   CASES: context:chunk pairs, e.g. 131072:16,131072:64 (default: the four below)
   VARIANTS: a JSON list of TUNE overrides, e.g. '[{}, {"prefill_rows": 64}]'
 For each (context, chunk) case: the staged path (dense past + SDPA flash) and each kernel
@@ -16,7 +17,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, ".")
-from longctx import KVConfig  # noqa: E402
+from longctx.bench import _config  # noqa: E402
 from longctx.cache import PagedKVCache  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
 from longctx.ops.paged_attention.prefill import paged_prefill_staged, paged_prefill_triton  # noqa: E402
@@ -49,7 +50,7 @@ def main(fmt="int4", cases=None, variants=None):
         k = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
         v = torch.randn(1, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
         q = torch.randn(1, Hq, C, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        cache = PagedKVCache(KVConfig(bits=int(fmt[3:]), block_size=64), num_layers=1, num_kv_heads=H, head_dim=D)
+        cache = PagedKVCache(_config(fmt, 64), num_layers=1, num_kv_heads=H, head_dim=D)
         cache.append(0, k[:, :, : T - C], v[:, :, : T - C])
         cache.seal()
         cache.append(0, k[:, :, T - C :], v[:, :, T - C :])

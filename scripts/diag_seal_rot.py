@@ -49,7 +49,7 @@ def main(names):
     g = torch.Generator(device=dev).manual_seed(0)
     print(f"{'format':<10} {'blocks':>6} {'one launch us':>14} {'torch first us':>15} {'extra MiB: one / torch':>23} {'same codes':>11}")
     for name in names:
-        cfg = _config(name, P)
+        cfg = _config(name, P).resolve(1, D)
         if not cfg.rotate:
             raise SystemExit(f"{name}: not a rotated format")
         fmt = BlockFormat(*cfg.layer_bits(0), P, cfg.group_size, D, H, torch.bfloat16, True)

@@ -1116,7 +1116,7 @@ def test_head_dims_the_kernels_cannot_tile_go_to_the_reference():
 # Prefill chunks through the kernel over the pages: (B, T, C, Hq, Hkv, D, block, cfg kwargs,
 # padding, splits). Splits None: the launcher's choice, which splits the KV length where the
 # query blocks alone leave the GPU (4 "SMs" under the interpreter) idle (the C=7 and C=9
-# cases); the rotated cases merge in torch, the others in the merge kernel.
+# cases), merged by the merge kernel.
 KERNEL_PREFILL = [
     (1, 100, 7, 4, 2, 64, 16, dict(bits=4), False, None),
     (2, 150, 20, 9, 3, 64, 16, dict(bits=4), True, 3),
@@ -1140,6 +1140,34 @@ def prefill_id(c):
 def test_prefill_kernel_within_budget(case, dtype):
     """The kernel alone, with splits, GQA, rotation, mixed bits, no sinks, left padding
     (row 1 starts inside the chunk) and the LSE."""
+    _prefill_within_budget(case, dtype)
+
+
+@pytest.mark.parametrize("rot_query, rot_out", [(True, False), (False, True), (False, False)],
+                         ids=["query-in-kernel", "out-in-kernel", "launches"])
+@pytest.mark.parametrize("case", [c for c in KERNEL_PREFILL if c[7].get("rotate")],
+                         ids=[prefill_id(c) for c in KERNEL_PREFILL if c[7].get("rotate")])
+def test_prefill_rotation_in_the_kernel_or_in_launches(case, rot_query, rot_out, monkeypatch):
+    """Rotated pages in the prefill kernel as in decode (both in the kernel: the default, above):
+    the queries rotated by each program or by `rotate_triton` first, the sealed pages' share
+    rotated back by each program or by `_merge_rotated`, within the budget either way, and
+    each launch made exactly where its side is not done in the kernel."""
+    monkeypatch.setitem(TUNE, "rot_query", rot_query)
+    monkeypatch.setitem(TUNE, "rot_out", rot_out)
+    calls = {"rotate_triton": 0, "_merge_rotated": 0}
+    for module, name in ((K, "rotate_triton"), (prefill, "_merge_rotated")):
+        real = getattr(module, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(module, name, spy)
+    _prefill_within_budget(case, dtypes()[-1])
+    assert calls == {"rotate_triton": 0 if rot_query else 1, "_merge_rotated": 0 if rot_out else 1}
+
+
+def _prefill_within_budget(case, dtype):
     B, T, C, Hq, Hkv, D, P, kw, pad, sp = case
     cfg = KVConfig(block_size=P, **kw)
     cache, k, v = fill(cfg, B, T, C, Hkv, D, dtype=dtype, seed=T)

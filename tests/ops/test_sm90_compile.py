@@ -1,4 +1,4 @@
-"""The decode kernel compiled for the H200 (sm_90) on a machine without a GPU, for variants whose
+"""The decode kernel (and the prefill kernel) compiled for the H200 (sm_90) on a machine without a GPU, for variants whose
 code the CPU interpreter runs but does not hold to the GPU compiler's rules: the interpreter
 took a tensor-core dot of 8 columns (int2 at head_dim 64 split into two dots a sub-tile), which
 the compiler refuses (a dot needs K >= 16). scripts/sass_decode.py compiles the kernel as the
@@ -22,6 +22,8 @@ VARIANTS = {
     "int2+rot-D128": ["--bits", "2", "--rotate", *SIDE],  # a word's bytes in two dots of 16 columns
     "int4+rot-D128": ["--bits", "4", "--rotate", *SIDE],  # the queries and the output rotated in the program
     "int4+rot-D64-rows2": ["--bits", "4", "--rotate", "--head-dim", "64", "--rows", "2", *SIDE],  # a prompt's beams' launch
+    # the prefill kernel (the same tiles, 128 query rows a program) rotating its queries and output
+    "prefill-int2+rot-D128": ["--prefill", "128", "--bits", "2", "--rotate", "--group-size", "64", "--stages", "2", "--warps", "8"],
 }
 
 

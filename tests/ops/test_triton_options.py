@@ -73,7 +73,10 @@ def test_every_triton_launch_asks_for_fp_fusion(monkeypatch):
     rot = PagedKVCache(KVConfig(bits=4, rotate=True, block_size=16, backend="triton"), num_layers=1, num_kv_heads=2, head_dim=64)
     rot.append(0, k.to(DEVICE), v.to(DEVICE))
     K.paged_decode_triton(q, rot.view(0), None, 0.125)  # rotated pages: each program rotates its queries and its share back
-    # the prefill kernel over rotated pages: the query's rotation, then the rotated merge
+    # the prefill kernel over rotated pages with both rotations in launches of their own: the
+    # query's rotation, then the rotated merge
+    monkeypatch.setitem(K.TUNE, "rot_query", False)
+    monkeypatch.setitem(K.TUNE, "rot_out", False)
     PF.paged_prefill_triton(torch.randn(1, 4, 8, 64).to(DEVICE), rot.view(0), None, 0.125, splits=2)
     names = {n for n, _ in seen}
     assert {"paged_attention.triton._decode_kernel", "paged_attention.triton._merge_kernel", "paged_attention.prefill._prefill_kernel",

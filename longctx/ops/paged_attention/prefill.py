@@ -30,7 +30,8 @@ from torch.nn.attention.bias import causal_lower_right
 from ..backend import TRITON_OPTIONS
 from ..gather_dequant import gather_dequant
 from ..pages import PagedView
-from .triton import TUNE, _merge_kernel, _merge_rotated, _setup, num_splits
+from ...quant import hadamard_scale
+from .triton import TUNE, _merge_kernel, _merge_rotated, _rotation_knobs, _setup, num_splits
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
 from .triton_tiles import _load_queries, _page_scores, _page_values, _softmax_step, _step_ids, _zero_state
 
@@ -69,13 +70,16 @@ def _prefill_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     WORDS: tl.constexpr, ASM: tl.constexpr, PK: tl.constexpr, PV: tl.constexpr,
+    ROT_Q: tl.constexpr = False, ROT_O: tl.constexpr = False, INV_SQRT_D: tl.constexpr = 1.0, PTX: tl.constexpr = False,
 ):
     """Prefill chunks over the quantized pages, no bf16 copy of the past: the decode kernel's
     page walk with M rows = BT query tokens x the G query heads of one KV head (token-major,
     padded to M). The C queries are the tail's last C tokens (query i at position n_blocks * P
     + tail_len - C + i); sinks and sealed pages precede all of them, the tail is causal. Grid
     (row x KV head, query block, split); outputs [B, H*G, C, n_splits, D] and LSE
-    [B, H*G, C, n_splits] (natural log), each split normalized on its own."""
+    [B, H*G, C, n_splits] (natural log), each split normalized on its own. Rotated pages as in
+    decode: ROT_Q, the program rotates its queries; ROT_O, it rotates its sealed pages' share
+    back before storing (else OR holds it, rotated, for `_merge_rotated`)."""
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
@@ -92,7 +96,8 @@ def _prefill_kernel(
     hq = h * G + offs_m % G  # and its query head
     rmask = (offs_m < BT * G) & (t < C)
     qrow = b * stride_qb + hq * stride_qh + t * stride_qt
-    q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, 0, qrow, rmask, 1, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT)
+    q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, 0, qrow, rmask, 1, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT,
+                                                   ROT_Q, INV_SQRT_D, PTX)
     start = 0
     if HAS_START:
         start = tl.load(START + b)
@@ -150,7 +155,8 @@ def _prefill_kernel(
         if ROTATE:
             r0, r1, r2, r3 = _acc(r0, r1, r2, r3, alpha, p, None, None, None, None, PV, PREC)
 
-    _finish(O, OR, LSE, ((b * H * G + hq) * C + t) * n_splits + split, rmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE)
+    _finish(O, OR, LSE, ((b * H * G + hq) * C + t) * n_splits + split, rmask, a0, a1, a2, a3, r0, r1, r2, r3, m_i, l_i, offs_v, D, PV, ROTATE,
+            ROT_O, INV_SQRT_D)
 
 
 def prefill_path(chunk: int, fmt) -> str:
@@ -181,7 +187,8 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     place, the tail causally; left padding by `start`. The KV length is split across programs
     as in decode when the chunk's query blocks alone do not fill the GPU (or into `splits`),
     then merged."""
-    st = _setup(q, view, start, "paged_prefill_triton")
+    rot_q, rot_o = _rotation_knobs(view.pages.fmt)
+    st = _setup(q, view, start, "paged_prefill_triton", rotate_q=not rot_q)
     fmt, qq, qr, table, n_blocks, tail_len, total = st.fmt, st.q, st.qr, st.table, st.n_blocks, st.tail_len, st.total
     B, Hq, C, D = q.shape
     H, G = fmt.num_kv_heads, st.consts["G"]
@@ -191,9 +198,10 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     splits = splits or num_splits(B * n_rb, H, total, st.sm, TUNE["prefill_programs"])
     bps = max(1, math.ceil(total / splits))
     splits = max(1, math.ceil(total / bps))
-    one = splits == 1 and not fmt.rotate  # the kernel writes the final output
+    apart = fmt.rotate and not rot_o  # the sealed pages' share stored rotated, apart
+    one = splits == 1 and not apart  # the kernel writes the final output
     o = torch.empty(B, Hq, C, splits, D, dtype=q.dtype if one else torch.float32, device=q.device)
-    o_r = torch.empty_like(o) if fmt.rotate else o
+    o_r = torch.empty_like(o) if apart else o
     lse = torch.empty(B, Hq, C, splits, dtype=torch.float32, device=q.device)
     _prefill_kernel[(B * H, n_rb, splits)](
         qq, qr, table, start if start is not None else table,
@@ -201,14 +209,15 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
         qq.stride(0), qq.stride(1), qq.stride(2), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
         n_blocks, st.n_sink, tail_len, C, bps, scale, splits,
         BT=bt, M=max(16, triton.next_power_of_2(bt * G)),
-        **dict(st.consts, K16=TUNE["prefill_k16"] if st.consts["K16"] else 0, V16=st.consts["V16"] and TUNE["prefill_v16"]),
+        **dict(st.consts, K16=TUNE["prefill_k16"] if st.consts["K16"] else 0, V16=st.consts["V16"] and TUNE["prefill_v16"],
+               ROT_Q=rot_q, ROT_O=rot_o, INV_SQRT_D=hadamard_scale(D) if fmt.rotate else 1.0, PTX=q.is_cuda),
         num_warps=TUNE["prefill_warps"], num_stages=TUNE["prefill_stages"], **TRITON_OPTIONS,
     )
     if one:
         return o[:, :, :, 0], (lse[..., 0] if return_lse else None)
     out = torch.empty(B, Hq, C, D, dtype=q.dtype, device=q.device)
     lout = torch.empty(B, Hq, C, dtype=torch.float32, device=q.device)
-    if fmt.rotate:
+    if apart:
         _merge_rotated(o, o_r, lse, out, lout, st.sm)
         return out, (lout if return_lse else None)
     # every (row, query head, token) is one merge row: HQ=1 and row strides

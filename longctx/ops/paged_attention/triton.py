@@ -835,8 +835,8 @@ TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnre
             rot_query=True, rot_out=True, shared_from=8192, shared_rows=8, shared_warps=1,
             prefill="auto", prefill_staged_from=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
             prefill_k16=4, prefill_v16=False)
-# rot_query, rot_out: rotated pages' queries rotated by each decode program, and its sealed
-# pages' share of the output rotated back before its partial is stored (fp32 butterflies,
+# rot_query, rot_out: rotated pages' queries rotated by each decode or prefill program, and its
+# sealed pages' share of the output rotated back before its partial is stored (fp32 butterflies,
 # `hadamard_planes`), so that rotated splits merge as unrotated ones do (in the kernel, the
 # launch or the grid). Off: `rotate_triton` launches first, and `_merge_rotated` merges two
 # partials a split and rotates the result back. H200, the bench's whole call (scripts/bench_ab.py,
@@ -1235,6 +1235,15 @@ def _plan_key(st: _Setup, q, view: PagedView, start, splits, capturing: bool):
             st.n_sink, st.tail_len > 0, view.tail_len is None, view.n_blocks is None, splits, capturing, tiny, tuple(TUNE.items()))
 
 
+def _rotation_knobs(fmt) -> tuple[bool, bool]:
+    """Whether a launch over pages of `fmt` rotates its queries in the kernel, and its sealed
+    pages' share back (TUNE["rot_query"], TUNE["rot_out"], checked; both False unrotated)."""
+    for name in ("rot_query", "rot_out"):
+        if not isinstance(TUNE[name], bool):
+            raise ValueError(f"TUNE[{name!r}] must be True (in the kernel) or False (a launch of its own), got {TUNE[name]!r}")
+    return fmt.rotate and TUNE["rot_query"], fmt.rotate and TUNE["rot_out"]
+
+
 def _rotated_partials(consts: dict) -> bool:
     """Whether a decode launch with these constexprs (a plan's) stores its sealed pages' share
     rotated, apart (OR), for `_merge_rotated` to rotate back: rotated pages, with
@@ -1286,9 +1295,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     kernel where the split count depends on how many programs fit. A part of a call
     (`_decode_shared`: its rows a program and first block) leaves the merge to its caller."""
     fmt, q, sm, gpu, device = st.fmt, st.q, st.sm, st.gpu, st.device
-    for name in ("rot_query", "rot_out"):
-        if not isinstance(TUNE[name], bool):
-            raise ValueError(f"TUNE[{name!r}] must be True (in the decode kernel) or False (a launch of its own), got {TUNE[name]!r}")
+    rot_q, rot_o = _rotation_knobs(fmt)
     R, first = (part.rows, part.first) if part is not None else (1, 0)
     total = st.total - first  # the logical blocks this launch's splits share
     B, Hq, D = q.shape[0] // R, q.shape[1], q.shape[-1]
@@ -1324,7 +1331,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
                   TINY_CODES=bool(tiny), GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)),
                   TAIL_DEV=view.tail_len is not None, BLOCKS_DEV=view.n_blocks is not None, R=R,
-                  ROT_Q=fmt.rotate and TUNE["rot_query"], ROT_O=fmt.rotate and TUNE["rot_out"],
+                  ROT_Q=rot_q, ROT_O=rot_o,
                   INV_SQRT_D=hadamard_scale(D) if fmt.rotate else 1.0, PTX=gpu, **opts)
     # programmatic dependent launch (sm_90+): each launch may start while the one before it
     # ends, and waits for it on the GPU (gdc_wait) before reading what it wrote
