@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ...quant import BlockFormat, hadamard_scale
 from ..backend import TRITON_OPTIONS
+from ..paged_attention.triton_tiles import _pick
 from ..pages import Pages, placeholders
 from ..rotation import hadamard_planes
 
@@ -102,14 +103,7 @@ def _plane(X, xb, s_x_p, r: tl.constexpr, P: tl.constexpr, PER: tl.constexpr, DS
            ROT: tl.constexpr, x0, x1, x2, x3):
     """Plane r [P, DS] fp64 of the block at X + xb: the rotated x_r where ROT, else loaded."""
     if ROT:
-        if r == 0:
-            x = x0
-        elif r == 1:
-            x = x1
-        elif r == 2:
-            x = x2
-        else:
-            x = x3
+        x = _pick(x0, x1, x2, x3, r)
     else:
         x = tl.load(X + xb + tl.arange(0, P)[:, None] * s_x_p + (r + PER * tl.arange(0, DS))[None, :]).to(tl.float64)
     return x
