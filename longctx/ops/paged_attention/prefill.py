@@ -27,10 +27,10 @@ import triton
 import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
+from ...quant import hadamard_scale
 from ..backend import TRITON_OPTIONS
 from ..gather_dequant import gather_dequant
 from ..pages import PagedView
-from ...quant import hadamard_scale
 from .triton import TUNE, _merge_kernel, _merge_rotated, _rotation_knobs, _setup, num_splits
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
 from .triton_tiles import _load_queries, _page_scores, _page_values, _softmax_step, _step_ids, _zero_state
@@ -97,7 +97,7 @@ def _prefill_kernel(
     rmask = (offs_m < BT * G) & (t < C)
     qrow = b * stride_qb + hq * stride_qh + t * stride_qt
     q, qp, qp0, qp1, qp2, qp3 = _load_queries(Q, QR, 0, qrow, rmask, 1, scale * LOG2E, D, PK, DK, ROTATE, K16, KDT, DOT,
-                                                   ROT_Q, INV_SQRT_D, PTX)
+                                              ROT_Q, INV_SQRT_D, PTX)
     start = 0
     if HAS_START:
         start = tl.load(START + b)
