@@ -1143,13 +1143,13 @@ def test_prefill_kernel_within_budget(case, dtype):
     _prefill_within_budget(case, dtype)
 
 
-@pytest.mark.parametrize("rot_query, rot_out", [(True, False), (False, True), (False, False)],
-                         ids=["query-in-kernel", "out-in-kernel", "launches"])
+@pytest.mark.parametrize("rot_query, rot_out", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["in-kernel", "query-in-kernel", "out-in-kernel", "launches"])
 @pytest.mark.parametrize("case", [c for c in KERNEL_PREFILL if c[7].get("rotate")],
                          ids=[prefill_id(c) for c in KERNEL_PREFILL if c[7].get("rotate")])
 def test_prefill_rotation_in_the_kernel_or_in_launches(case, rot_query, rot_out, monkeypatch):
-    """Rotated pages in the prefill kernel as in decode (both in the kernel: the default, above):
-    the queries rotated by each program or by `rotate_triton` first, the sealed pages' share
+    """Rotated pages in the prefill kernel as in decode (both in the kernel by default): the
+    queries rotated by each program or by `rotate_triton` first, the sealed pages' share
     rotated back by each program or by `_merge_rotated`, within the budget either way, and
     each launch made exactly where its side is not done in the kernel."""
     monkeypatch.setitem(TUNE, "rot_query", rot_query)

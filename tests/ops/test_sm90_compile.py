@@ -1,8 +1,9 @@
-"""The decode kernel (and the prefill kernel) compiled for the H200 (sm_90) on a machine without a GPU, for variants whose
-code the CPU interpreter runs but does not hold to the GPU compiler's rules: the interpreter
-took a tensor-core dot of 8 columns (int2 at head_dim 64 split into two dots a sub-tile), which
-the compiler refuses (a dot needs K >= 16). scripts/sass_decode.py compiles the kernel as the
-launcher does (ptxas ships in the triton wheel); these runs only check that it compiles."""
+"""The decode kernel (and the prefill kernel) compiled for the H200 (sm_90) on a machine without a
+GPU, for variants whose code the CPU interpreter runs but does not hold to the GPU compiler's
+rules: the interpreter took a tensor-core dot of 8 columns (int2 at head_dim 64 split into two
+dots a sub-tile), which the compiler refuses (a dot needs K >= 16). scripts/sass_decode.py
+compiles the kernel as the launcher does (ptxas ships in the triton wheel); these runs only
+check that it compiles."""
 
 import os
 import subprocess
