@@ -27,11 +27,10 @@ import triton
 import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
-from ...quant import hadamard_scale
 from ..backend import TRITON_OPTIONS
 from ..gather_dequant import gather_dequant
 from ..pages import PagedView
-from .triton import TUNE, _merge_kernel, _merge_rotated, _rotation_knobs, _setup, num_splits
+from .triton import TUNE, _merge_kernel, _merge_rotated, _rotated_partials, _rotation_knobs, _setup, num_splits
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
 from .triton_tiles import _load_queries, _page_scores, _page_values, _softmax_step, _step_ids, _zero_state
 
@@ -187,8 +186,7 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     place, the tail causally; left padding by `start`. The KV length is split across programs
     as in decode when the chunk's query blocks alone do not fill the GPU (or into `splits`),
     then merged."""
-    rot_q, rot_o = _rotation_knobs(view.pages.fmt)
-    st = _setup(q, view, start, "paged_prefill_triton", rotate_q=not rot_q)
+    st = _setup(q, view, start, "paged_prefill_triton", rotate_q=not _rotation_knobs(view.pages.fmt)[0])
     fmt, qq, qr, table, n_blocks, tail_len, total = st.fmt, st.q, st.qr, st.table, st.n_blocks, st.tail_len, st.total
     B, Hq, C, D = q.shape
     H, G = fmt.num_kv_heads, st.consts["G"]
@@ -198,7 +196,7 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     splits = splits or num_splits(B * n_rb, H, total, st.sm, TUNE["prefill_programs"])
     bps = max(1, math.ceil(total / splits))
     splits = max(1, math.ceil(total / bps))
-    apart = fmt.rotate and not rot_o  # the sealed pages' share stored rotated, apart
+    apart = _rotated_partials(st.consts)  # the sealed pages' share stored rotated, apart
     one = splits == 1 and not apart  # the kernel writes the final output
     o = torch.empty(B, Hq, C, splits, D, dtype=q.dtype if one else torch.float32, device=q.device)
     o_r = torch.empty_like(o) if apart else o
@@ -209,8 +207,7 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
         qq.stride(0), qq.stride(1), qq.stride(2), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
         n_blocks, st.n_sink, tail_len, C, bps, scale, splits,
         BT=bt, M=max(16, triton.next_power_of_2(bt * G)),
-        **dict(st.consts, K16=TUNE["prefill_k16"] if st.consts["K16"] else 0, V16=st.consts["V16"] and TUNE["prefill_v16"],
-               ROT_Q=rot_q, ROT_O=rot_o, INV_SQRT_D=hadamard_scale(D) if fmt.rotate else 1.0, PTX=q.is_cuda),
+        **dict(st.consts, K16=TUNE["prefill_k16"] if st.consts["K16"] else 0, V16=st.consts["V16"] and TUNE["prefill_v16"]),
         num_warps=TUNE["prefill_warps"], num_stages=TUNE["prefill_stages"], **TRITON_OPTIONS,
     )
     if one:

@@ -1149,11 +1149,14 @@ def _kernel_consts(fmt, q, KS, start, gpu: bool, who: str) -> dict:
     # in fp16 (bf16 scales and zeros convert exactly within fp16's normal range, 6.1e-5 to
     # 65504; smaller ones lose bits as subnormals, larger ones would overflow)
     kdt = tl.bfloat16 if KS.dtype == torch.bfloat16 and fmt.k_bits <= 4 else tl.float16
+    rot_q, rot_o = _rotation_knobs(fmt)
     return dict(H=fmt.num_kv_heads, G=Hq // fmt.num_kv_heads, D=D, P=fmt.block_size, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
                 GS=fmt.group_size, ROTATE=fmt.rotate, HAS_START=start is not None, DOT=dot, PREC="ieee" if not half else "tf32",
                 K16=k16, V16=half and TUNE["v16"], KDT=kdt, WORDS=words, ASM=int(TUNE["asm"]) if gpu else 0,
                 # sub-tiles per side: codes per load word (int16 words for 8 and 4 bits when WORDS)
-                PK=_per(fmt.k_bits, words), PV=per_v)
+                PK=_per(fmt.k_bits, words), PV=per_v,
+                # rotated pages: the queries and the sealed pages' share rotated in the program
+                ROT_Q=rot_q, ROT_O=rot_o, INV_SQRT_D=hadamard_scale(D) if fmt.rotate else 1.0, PTX=gpu)
 
 
 def _device(q) -> int | None:
@@ -1295,7 +1298,6 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     kernel where the split count depends on how many programs fit. A part of a call
     (`_decode_shared`: its rows a program and first block) leaves the merge to its caller."""
     fmt, q, sm, gpu, device = st.fmt, st.q, st.sm, st.gpu, st.device
-    rot_q, rot_o = _rotation_knobs(fmt)
     R, first = (part.rows, part.first) if part is not None else (1, 0)
     total = st.total - first  # the logical blocks this launch's splits share
     B, Hq, D = q.shape[0] // R, q.shape[1], q.shape[-1]
@@ -1330,9 +1332,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
                   SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
                   TINY_CODES=bool(tiny), GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)),
-                  TAIL_DEV=view.tail_len is not None, BLOCKS_DEV=view.n_blocks is not None, R=R,
-                  ROT_Q=rot_q, ROT_O=rot_o,
-                  INV_SQRT_D=hadamard_scale(D) if fmt.rotate else 1.0, PTX=gpu, **opts)
+                  TAIL_DEV=view.tail_len is not None, BLOCKS_DEV=view.n_blocks is not None, R=R, **opts)
     # programmatic dependent launch (sm_90+): each launch may start while the one before it
     # ends, and waits for it on the GPU (gdc_wait) before reading what it wrote
     pdl = dict(PDL=True, launch_pdl=True) if gpu and TUNE["pdl"] and torch.cuda.get_device_capability(device) >= (9, 0) else {}
@@ -1499,7 +1499,7 @@ def paged_decode_triton(q, view: PagedView, start, scale, return_lse: bool = Tru
     """q [B, H_q, 1, D] -> (out [B, H_q, 1, D], lse [B, H_q, 1] fp32 or None). Where the view's
     rows share their first blocks (view.shared) the call takes two launches (`_decode_shared`),
     unless `splits` asks for a split count (experiments) or a diagnostic hook is set."""
-    st = _setup(q[:, :, 0], view, start, "paged_decode_triton", consts=False, rotate_q=not TUNE["rot_query"])
+    st = _setup(q[:, :, 0], view, start, "paged_decode_triton", consts=False, rotate_q=not _rotation_knobs(view.pages.fmt)[0])
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     key = _plan_key(st, q, view, start, splits, capturing)
     R = 1
