@@ -1,5 +1,6 @@
-"""Compile the decode kernel for the H200 (sm_90) on a machine without a GPU and count what
-its loops execute: registers, shared memory, and per loop the SASS instructions by opcode.
+"""Compile the decode kernel for the H200 (sm_90, or --arch) on a machine without a GPU and count
+what its loops execute: registers, shared memory, and per loop the SASS instructions by opcode.
+It exits with an error where the kernel's shared memory is over the target's limit a block.
 
 Triton compiles for a named target without a device; ptxas and cuobjdump ship in the triton
 wheel. The counts are per warp and loop step; they say where the instructions go (code
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longctx.ops.backend import TRITON_OPTIONS  # noqa: E402
 from longctx.ops.paged_attention import prefill as PF  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
+from arch_compile import SHARED_LIMIT  # noqa: E402  (scripts/, this script's folder)
 
 POINTERS = {"BOUNDS": "*i32", "TABLE": "*i32", "START": "*i32", "O": "*fp32", "OR": "*fp32", "LSE": "*fp32", "LOUT": "*fp32", "COUNT": "*i32"}
 
@@ -75,7 +77,7 @@ def compile_decode(a):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or (sig[n] == "i32" and n not in nospec)}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=a.warps, num_stages=a.stages, **TRITON_OPTIONS,
+    return triton.compile(src, target=GPUTarget("cuda", a.arch, 32), options=dict(num_warps=a.warps, num_stages=a.stages, **TRITON_OPTIONS,
                                                                                 **({"maxnreg": a.maxnreg} if a.maxnreg else {})))
 
 
@@ -103,6 +105,7 @@ def live_registers(nvdisasm: Path, cubin: Path):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bits", type=int, default=4, choices=(16, 8, 4, 2))
+    ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (80: A100, 86: RTX 3090, 89: RTX 4090, 90: H100/H200)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--q-heads", type=int, default=32)
@@ -177,6 +180,9 @@ def main() -> None:
             (a.keep / f"decode.{ext}").write_text(kernel.asm[ext])
         (a.keep / "decode.cubin").write_bytes(kernel.asm["cubin"])
         (a.keep / "decode.sass").write_text(sass)
+    limit = SHARED_LIMIT.get(a.arch)
+    if limit is not None and kernel.metadata.shared > limit:
+        sys.exit(f"shared memory {kernel.metadata.shared} bytes: over the {limit} a block may have on sm_{a.arch}")
 
 
 if __name__ == "__main__":

@@ -86,13 +86,17 @@ def _f16_1024(x, r: tl.constexpr, BITS: tl.constexpr):
 
 # ASM (GPU): two int16 code words per 32-bit register -> two fp16 codes of sub-tile r, exact:
 # int4 shifts nibble r of both words into place and ORs in fp16 1024 (one LOP3), then one
-# f16x2 subtract of 1024; bf16 int4 codes the same way around bf16 128 (0x4300). int8 takes
-# the exact one-sub-tile _asm_bytes block (below).
+# f16x2 subtract of 1024; bf16 int4 codes the same way around bf16 128 (0x4300), then an FMA
+# (128 + c) * 1 - 128: PTX's bf16x2 subtract needs sm_90, its FMA sm_80 (RTX 30 and 40 cards).
+# int8 takes the exact one-sub-tile _asm_bytes block (below).
 @triton.constexpr_function
 def _asm_int4(r, bf16):
     shift = f"shr.b32 t, $1, {4 * r}; " if r else "mov.b32 t, $1; "
-    magic, sub = ("0x43004300", "sub.bf16x2") if bf16 else ("0x64006400", "sub.f16x2")
-    return "{ .reg .b32 t, k; " + shift + f"lop3.b32 t, t, 0x000F000F, {magic}, 0xea; mov.b32 k, {magic}; {sub} $0, t, k; }}"
+    if bf16:
+        magic, sub = "0x43004300", "mov.b32 u, 0x3F803F80; mov.b32 k, 0xC300C300; fma.rn.bf16x2 $0, t, u, k; "
+    else:
+        magic, sub = "0x64006400", "mov.b32 k, 0x64006400; sub.f16x2 $0, t, k; "
+    return "{ .reg .b32 t, k, u; " + shift + f"lop3.b32 t, t, 0x000F000F, {magic}, 0xea; " + sub + "}"
 
 
 @triton.jit
