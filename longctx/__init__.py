@@ -4,7 +4,7 @@ Thin re-exports; transformers is imported lazily (only when LongCtxCache/load_mo
 """
 
 from .config import KVConfig
-from .errors import BackendUnavailableError, CacheFullError, LongCtxError, ModelNotFoundError, UnsupportedModelError
+from .errors import BackendUnavailableError, CacheFullError, LongCtxError, ModelNotFoundError, SharedMemoryError, UnsupportedModelError
 
 __version__ = "0.1.0"
 
@@ -37,6 +37,7 @@ __all__ = [
     "LongCtxError",
     "ModelNotFoundError",
     "PagedKVCache",
+    "SharedMemoryError",
     "UnsupportedModelError",
     "graph_decoding",
     "load_model",

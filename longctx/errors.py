@@ -24,5 +24,9 @@ class BackendUnavailableError(LongCtxError, RuntimeError):
     """The attention backend asked for cannot serve this request; the message says why."""
 
 
+class SharedMemoryError(BackendUnavailableError):
+    """A Triton kernel needs more shared memory a block than the GPU allows, even in one stage."""
+
+
 class ModelNotFoundError(LongCtxError, FileNotFoundError):
     """A model could not be found; the message says where we looked and what to install."""

@@ -12,6 +12,10 @@ each test. The tests themselves run as before.
   ARCHS=80,86,89 OUT=$OUT/gt bash scripts/gpu_tests.sh tests/ops     # (gpu_tests.sh loads it)
   python3 scripts/arch_compile.py $OUT/gt/arch                        # the summary
 
+LONGCTX_SHARED_LIMIT=101376 (bytes) also runs the launchers as on a card with that much shared
+memory a block (TUNE["shared_limit"]: fewer stages where a kernel needs more), so that the
+report shows what those cards compile.
+
 Launches with programmatic dependent launch (TUNE["pdl"]) are not compiled for targets below
 sm_90: the launcher asks for it only on sm_90 and later.
 """
@@ -28,6 +32,18 @@ ARCH_DEPENDENT = ("arch", "supported_fp8_dtypes", "deprecated_fp8_dot_operand_dt
 SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 _records: dict = {}
+_test = None  # the test running (its node id)
+
+
+def _constexprs(src) -> dict:
+    """The compile's constexpr arguments by name (scalars as text), where the source says."""
+    names = getattr(getattr(src, "fn", None), "arg_names", None)
+    out = {}
+    for k, v in getattr(src, "constants", {}).items():
+        i = k[0] if isinstance(k, tuple) and len(k) == 1 else None
+        if names is not None and isinstance(i, int) and i < len(names) and names[i].isupper():
+            out[names[i]] = v if isinstance(v, (bool, int, float, type(None))) else str(v)
+    return out
 
 
 def archs() -> list[int]:
@@ -53,7 +69,8 @@ def install() -> None:
             if arch == target.arch or key in _records:
                 continue
             rec = {"kernel": kernel.name, "arch": arch, "num_warps": opts.get("num_warps"), "num_stages": opts.get("num_stages"),
-                   "device_shared": kernel.metadata.shared, "shared": None, "limit": SHARED_LIMIT.get(arch), "error": None, "skipped": None}
+                   "device_shared": kernel.metadata.shared, "shared": None, "limit": SHARED_LIMIT.get(arch), "error": None, "skipped": None,
+                   "test": _test, "constexprs": _constexprs(src)}
             if opts.get("launch_pdl") and arch < 90:
                 rec["skipped"] = "programmatic dependent launch: sm_90 and later only"
             else:
@@ -73,6 +90,10 @@ def pytest_configure(config):
 
     if torch.cuda.is_available():
         install()
+        if os.environ.get("LONGCTX_SHARED_LIMIT"):  # launch as on a card with this much shared memory a block
+            from longctx.ops.paged_attention.triton import TUNE
+
+            TUNE["shared_limit"] = int(os.environ["LONGCTX_SHARED_LIMIT"])
 
 
 _written = 0
@@ -86,6 +107,11 @@ def _write() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"arch-{os.getpid()}.json").write_text(json.dumps(list(_records.values()), indent=1))
     _written = len(_records)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    global _test
+    _test = nodeid
 
 
 def pytest_runtest_logfinish(nodeid, location):
@@ -120,7 +146,8 @@ def summary(folder: Path) -> int:
         for (kernel, line), n in sorted(firsts.items()):
             print(f"  FAILED {kernel} ({n} variants): {line}")
         for r in over:
-            print(f"  SHARED {r['kernel']} warps {r['num_warps']} stages {r['num_stages']}: {r['shared']} bytes (sm_90: {r['device_shared']})")
+            print(f"  SHARED {r['kernel']} warps {r['num_warps']} stages {r['num_stages']}: {r['shared']} bytes (sm_90: {r['device_shared']}), "
+                  f"first in {r.get('test')}: {r.get('constexprs')}")
         bad += len(errors) + len(over)
     if not recs:
         print(f"no reports in {folder}")

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from longctx import KVConfig  # noqa: E402
+from longctx import KVConfig, SharedMemoryError  # noqa: E402
 from longctx.ops.paged_attention import paged_attention  # noqa: E402
 from longctx.ops.paged_attention import prefill  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
@@ -1323,3 +1323,110 @@ def test_shared_rows_rule(monkeypatch):
             m.setitem(TUNE, name, bad)
             with pytest.raises(ValueError, match=f"{name}.*>= {int(name == 'shared_warps')}"):
                 K.shared_rows(8, 4, 2048, 64)
+
+
+class _Compiled:
+    def __init__(self, shared):
+        self.metadata = type("M", (), {"shared": shared})()
+
+
+class _FakeKernel:
+    """Stands in for a Triton kernel's warmup: shared memory by stage count, calls recorded."""
+    def __init__(self, by_stages):
+        self.by_stages, self.calls = by_stages, []
+
+    def warmup(self, *args, grid, **consts):
+        self.calls.append(consts["num_stages"])
+        return _Compiled(self.by_stages[consts["num_stages"]])
+
+
+def test_stages_that_fit_the_devices_shared_memory(monkeypatch):
+    """A launch keeps its stages where the compiled kernel fits the device's shared memory a
+    block, else takes the most stages that fit; one stage too big raises, naming both sizes;
+    TUNE["shared_limit"] lowers the device's limit, never raises it; the choice is cached."""
+    monkeypatch.setattr(K, "_STAGES", {})
+    monkeypatch.setattr(K, "_device_shared", lambda device: 101376)  # an RTX 4090's
+    fits = _FakeKernel({3: 90000, 2: 60000, 1: 30000})
+    assert K.stages_that_fit(fits, (1,), (), dict(num_stages=3), 0, "t") == 3
+    big = _FakeKernel({3: 196736, 2: 143360, 1: 77824})  # pages of 256 tokens
+    assert K.stages_that_fit(big, (1,), (), dict(num_stages=3), 0, "t") == 1 and big.calls == [3, 2, 1]
+    assert K.stages_that_fit(big, (1,), (), dict(num_stages=3), 0, "t") == 1 and big.calls == [3, 2, 1]  # cached
+    assert K.stages_that_fit(big, (1,), (), dict(num_stages=2, X=1), 0, "t") == 1  # other constexprs: asked again
+    with pytest.raises(SharedMemoryError, match=r"needs 120000 bytes .* allows 101376"):
+        K.stages_that_fit(_FakeKernel({2: 200000, 1: 120000}), (1,), (), dict(num_stages=2), 0, "t")
+    monkeypatch.setitem(TUNE, "shared_limit", 70000)
+    assert K.stages_that_fit(fits, (1,), (), dict(num_stages=3), 0, "t") == 2
+    monkeypatch.setitem(TUNE, "shared_limit", 500000)  # above the device's: the device's
+    assert K.shared_limit(0) == 101376
+    monkeypatch.setitem(TUNE, "shared_limit", -1)
+    with pytest.raises(ValueError, match="shared_limit"):
+        K.shared_limit(0)
+
+
+SMALL_SHARED = [  # pages of 256 tokens (bf16 pages in two stages on the H200: 143,360 bytes of shared memory)
+    (1, 600, 8, 2, 128, 256, dict(bits=16), False, 2),
+    (1, 600, 8, 2, 128, 256, dict(bits=8), True, 2),
+    (1, 600, 8, 2, 128, 256, dict(bits=4), False, None),
+    (2, 300, 4, 1, 64, 256, dict(bits=4, rotate=True), True, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SMALL_SHARED, ids=[case_id(c) for c in SMALL_SHARED])
+def test_decode_and_prefill_within_a_consumer_cards_shared_memory(case, monkeypatch):
+    """With an RTX 4090's 99 KiB of shared memory a block (TUNE["shared_limit"], on the H200),
+    bf16 decode launches that would need more take fewer stages and stay within the budget, each
+    launched kernel within the limit. A prefill chunk through `paged_attention` stages where the
+    prefill kernel does not fit (it reads a whole page of 256 tokens a step: 131,072 bytes in
+    one stage on sm_90), and stays within the budget. (fp32 inputs: not run here; their kernels
+    compile for minutes at these sizes, and 16-bit fp32 pages of 256 tokens need 155,712 bytes
+    even in one stage, SharedMemoryError.)"""
+    dtype = torch.bfloat16
+    limit = 101376
+    monkeypatch.setitem(TUNE, "shared_limit", limit)
+    monkeypatch.setitem(TUNE, "prefill", "kernel")
+    monkeypatch.setattr(K, "_PLANS", {})
+    launched = []
+    real = K.stages_that_fit
+
+    def spy(fn, grid, args, consts, device, what):
+        stages = real(fn, grid, args, consts, device, what)
+        launched.append(fn.warmup(*args, grid=grid, **dict(consts, num_stages=stages)).metadata.shared)
+        return stages
+
+    monkeypatch.setattr(K, "stages_that_fit", spy)
+    monkeypatch.setattr(prefill, "stages_that_fit", spy)
+    B, T, Hq, Hkv, D, P, kw, pad, sp = case
+    _within_budget(case, dtype)
+    assert K.LAST["kernel"].metadata.shared <= limit
+    assert launched and max(launched) <= limit, launched
+    cfg = KVConfig(block_size=P, **kw)
+    cache, k, v = fill(cfg, B, T, 9, Hkv, D, dtype=dtype, seed=T)
+    q = torch.randn(B, Hq, 9, D, generator=torch.Generator().manual_seed(T + 2)).to(dtype)
+    out, _ = paged_attention(q.to(DEVICE), _to(cache.view(0), DEVICE), backend="triton", return_lse=False)
+    ref_out, _ = paged_attention(q, cache.view(0), backend="reference")
+    exact_out, _ = attention_fp64(q, *expected_dense(k, v, cfg, sealed_tokens=T - 9))
+    assert (out.cpu().double() - exact_out).abs().max().item() <= max(2 * (ref_out.double() - exact_out).abs().max().item(), FLOOR[dtype])
+
+
+def test_prefill_stages_where_the_kernel_does_not_fit(monkeypatch):
+    """A prefill chunk whose kernel needs more shared memory than the GPU has (SharedMemoryError)
+    goes through staging + SDPA where that serves (no LSE wanted, no left padding), and the
+    error reaches the caller where it does not."""
+    cfg = KVConfig(bits=4, block_size=16)
+    cache, _, _ = fill(cfg, 2, 60, 10, 2, 64)
+    q = torch.randn(2, 4, 10, 64)
+    view = _to(cache.view(0), DEVICE)
+
+    def too_big(*args, **kwargs):
+        raise SharedMemoryError("paged_prefill_triton: the Triton kernel needs 131072 bytes of shared memory a block")
+
+    monkeypatch.setitem(TUNE, "prefill", "kernel")
+    monkeypatch.setattr(prefill, "paged_prefill_triton", too_big)
+    out, lse = paged_attention(q.to(DEVICE), view, backend="triton", return_lse=False)
+    ref_out, _ = paged_attention(q, cache.view(0), backend="reference")
+    assert lse is None and torch.allclose(out.cpu(), ref_out, atol=1e-5)
+    with pytest.raises(SharedMemoryError, match="131072"):
+        paged_attention(q.to(DEVICE), view, backend="triton", return_lse=True)
+    with pytest.raises(SharedMemoryError, match="131072"):
+        paged_attention(q.to(DEVICE), view, start=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE), backend="triton", return_lse=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import SharedMemoryError
 from ..backend import resolve_backend
 from ..pages import PagedView
 
@@ -74,11 +75,15 @@ def paged_attention(
             if C > 1:  # prefill chunks: the kernel over the pages, or staging + SDPA (prefill.py)
                 from . import prefill
 
-                path = prefill.prefill_path(C, view.pages.fmt)
-                if path == "staged" and (return_lse or (start is not None and bool((start > 0).any()))):
-                    path = "kernel"  # staging + SDPA returns no LSE and takes no left padding
-                if path == "kernel":
-                    return prefill.paged_prefill_triton(q, view, start, D**-0.5 if scale is None else scale, return_lse)
+                def stageable() -> bool:  # staging + SDPA returns no LSE and takes no left padding
+                    return not return_lse and not (start is not None and bool((start > 0).any()))
+
+                if prefill.prefill_path(C, view.pages.fmt) == "kernel" or not stageable():
+                    try:
+                        return prefill.paged_prefill_triton(q, view, start, D**-0.5 if scale is None else scale, return_lse)
+                    except SharedMemoryError:  # (pages of 256 tokens on a 99 KiB card): staging serves where it can
+                        if not stageable():
+                            raise
                 return prefill.paged_prefill_staged(q, view, scale), None
             from .triton import paged_decode_triton
 

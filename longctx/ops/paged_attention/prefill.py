@@ -30,7 +30,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..backend import TRITON_OPTIONS
 from ..gather_dequant import gather_dequant
 from ..pages import PagedView
-from .triton import TUNE, _merge_kernel, _merge_rotated, _rotated_partials, _rotation_knobs, _setup, num_splits
+from .triton import TUNE, _merge_kernel, _merge_rotated, _rotated_partials, _rotation_knobs, _setup, num_splits, stages_that_fit
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
 from .triton_tiles import _load_queries, _page_scores, _page_values, _softmax_step, _step_ids, _zero_state
 
@@ -201,15 +201,17 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     o = torch.empty(B, Hq, C, splits, D, dtype=q.dtype if one else torch.float32, device=q.device)
     o_r = torch.empty_like(o) if apart else o
     lse = torch.empty(B, Hq, C, splits, dtype=torch.float32, device=q.device)
-    _prefill_kernel[(B * H, n_rb, splits)](
-        qq, qr, table, start if start is not None else table,
-        view.sink_k, view.sink_v, *st.pools, tail_k, tail_v, o, o_r, lse,
-        qq.stride(0), qq.stride(1), qq.stride(2), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
-        n_blocks, st.n_sink, tail_len, C, bps, scale, splits,
-        BT=bt, M=max(16, triton.next_power_of_2(bt * G)),
-        **dict(st.consts, K16=TUNE["prefill_k16"] if st.consts["K16"] else 0, V16=st.consts["V16"] and TUNE["prefill_v16"]),
-        num_warps=TUNE["prefill_warps"], num_stages=TUNE["prefill_stages"], **TRITON_OPTIONS,
-    )
+    grid = (B * H, n_rb, splits)
+    args = (qq, qr, table, start if start is not None else table,
+            view.sink_k, view.sink_v, *st.pools, tail_k, tail_v, o, o_r, lse,
+            qq.stride(0), qq.stride(1), qq.stride(2), table.stride(0), tail_k.stride(0), tail_k.stride(1), tail_k.stride(2),
+            n_blocks, st.n_sink, tail_len, C, bps, scale, splits)
+    consts = dict(st.consts, BT=bt, M=max(16, triton.next_power_of_2(bt * G)), K16=TUNE["prefill_k16"] if st.consts["K16"] else 0,
+                  V16=st.consts["V16"] and TUNE["prefill_v16"], num_warps=TUNE["prefill_warps"], num_stages=TUNE["prefill_stages"],
+                  **TRITON_OPTIONS)
+    if st.gpu:  # fewer stages where the kernel's shared memory does not fit the device
+        consts["num_stages"] = stages_that_fit(_prefill_kernel, grid, args, consts, st.device, "paged_prefill_triton")
+    _prefill_kernel[grid](*args, **consts)
     if one:
         return o[:, :, :, 0], (lse[..., 0] if return_lse else None)
     out = torch.empty(B, Hq, C, D, dtype=q.dtype, device=q.device)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer, smid
 
-from ...errors import BackendUnavailableError
+from ...errors import BackendUnavailableError, SharedMemoryError
 from ...quant import hadamard_scale, hadamard_signs
 from ..backend import TRITON_OPTIONS
 from ..pages import PagedView, kernel_pools
@@ -834,7 +834,10 @@ TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnre
             pages=1, words=True, asm=1, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=True, pdl=False,
             rot_query=True, rot_out=True, shared_from=8192, shared_rows=8, shared_warps=1,
             prefill="auto", prefill_staged_from=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
-            prefill_k16=4, prefill_v16=False)
+            prefill_k16=4, prefill_v16=False, shared_limit=0)
+# shared_limit: bytes of shared memory a launch may use, where lower than the device's (0: the
+# device's). A launch whose kernel needs more takes fewer stages (`stages_that_fit`); tests set
+# it to run a consumer card's 99 KiB on the H200.
 # rot_query, rot_out: rotated pages' queries rotated by each decode or prefill program, and its
 # sealed pages' share of the output rotated back before its partial is stored (fp32 butterflies,
 # `hadamard_planes`), so that rotated splits merge as unrotated ones do (in the kernel, the
@@ -893,6 +896,50 @@ def programs_fit(regs: int, shared: int, num_warps: int, props=None) -> int:
     by_regs = (regs_sm // per_warp) // num_warps
     by_smem = smem_sm // (shared + 1024)
     return max(1, min(by_regs, by_smem, threads_sm // (32 * num_warps), 32))
+
+
+@functools.lru_cache(maxsize=8)
+def _device_shared(device_index: int) -> int:
+    """Shared memory a block may have on the device (what Triton checks before a launch)."""
+    from triton.runtime import driver
+
+    return driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def shared_limit(device_index: int) -> int:
+    """The device's shared memory a block, or TUNE["shared_limit"] where that is set and lower
+    (a test of the fallback below on a card with more)."""
+    cap = TUNE["shared_limit"]
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
+        raise ValueError(f"TUNE['shared_limit'] must be a byte count >= 0 (0: the device's), got {cap!r}")
+    own = _device_shared(device_index)
+    return min(own, cap) if cap else own
+
+
+_STAGES: dict = {}  # the stages a launch takes, by kernel, device, constexprs and options
+
+
+def stages_that_fit(fn, grid, args, consts: dict, device_index: int, what: str) -> int:
+    """num_stages for a launch of `fn` with `consts` (its constexprs and options, num_stages
+    among them): theirs where the compiled kernel's shared memory fits the device
+    (`shared_limit`), else the most below it that fits. Copies in flight take shared memory a
+    stage; sm_86 and sm_89 cards (RTX 3090, 4090) allow 99 KiB a block and sm_80 163, where the
+    H200 the stages were chosen on allows 227: pages of 256 tokens in two stages do not fit
+    there. Raises SharedMemoryError, naming the sizes, where even one stage does not."""
+    key = (fn, device_index, TUNE["shared_limit"], repr(sorted(consts.items())))
+    stages = _STAGES.get(key)
+    if stages is None:
+        limit = shared_limit(device_index)
+        for stages in range(consts.get("num_stages") or 3, 0, -1):
+            shared = fn.warmup(*args, grid=grid, **dict(consts, num_stages=stages)).metadata.shared
+            if shared <= limit:
+                break
+        else:
+            raise SharedMemoryError(
+                f"{what}: the Triton kernel needs {shared} bytes of shared memory a block even with one stage, and this GPU allows "
+                f"{limit}; use smaller blocks (KVConfig(block_size=64)) or backend='reference'")
+        _STAGES[key] = stages
+    return stages
 
 
 @functools.lru_cache(maxsize=8)
@@ -1389,6 +1436,19 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
             fit = _FIT[key] = _fit(_decode_kernel.warmup(*args, grid=plan.grid, **plan.consts), opts["num_warps"], device)
         return fit
 
+    def fit_stages(plan: _Plan) -> bool:
+        """Fewer stages where the plan's kernel does not fit the device's shared memory; whether
+        that changed them (plans made since take them)."""
+        nonlocal stages
+        fits = stages_that_fit(_decode_kernel, plan.grid, _decode_args(st, view, start, scale, plan)[-1], plan.consts, device,
+                               "paged_decode_triton")
+        if fits == plan.consts.get("num_stages"):
+            return False
+        stages = opts["num_stages"] = consts["num_stages"] = fits
+        return True
+
+    if gpu:
+        fit_stages(plan_for(guess, warmup=True))
     if splits is None:
         splits = guess
         if gpu:  # as many programs per SM as fit, given the compiled kernel's registers
@@ -1396,6 +1456,8 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
             if fit < ppsm:
                 splits = num_splits(B, H, total, sm, fit)
     plan = plan_for(splits)
+    if gpu and fit_stages(plan):  # (another merge mode than the guess's)
+        plan = plan_for(splits)
     # not cached while the probe is still to run (under graph capture), nor the merge grid,
     # whose shape `merge_shape` decides at each call
     return plan, tiny is not None and plan.mode != "grid"
