@@ -1352,6 +1352,9 @@ def test_stages_that_fit_the_devices_shared_memory(monkeypatch):
     assert K.stages_that_fit(big, (1,), (), dict(num_stages=3), 0, "t") == 1 and big.calls == [3, 2, 1]
     assert K.stages_that_fit(big, (1,), (), dict(num_stages=3), 0, "t") == 1 and big.calls == [3, 2, 1]  # cached
     assert K.stages_that_fit(big, (1,), (), dict(num_stages=2, X=1), 0, "t") == 1  # other constexprs: asked again
+    made = []
+    assert K.stages_that_fit(big, (1,), lambda: made.append(1) or (), dict(num_stages=2, X=2), 0, "t") == 1 and made == [1]
+    assert K.stages_that_fit(big, (1,), lambda: made.append(1) or (), dict(num_stages=2, X=2), 0, "t") == 1 and made == [1]  # (cached: not built)
     with pytest.raises(SharedMemoryError, match=r"needs 120000 bytes .* allows 101376"):
         K.stages_that_fit(_FakeKernel({2: 200000, 1: 120000}), (1,), (), dict(num_stages=2), 0, "t")
     monkeypatch.setitem(TUNE, "shared_limit", 70000)
@@ -1391,6 +1394,7 @@ def test_decode_and_prefill_within_a_consumer_cards_shared_memory(case, monkeypa
 
     def spy(fn, grid, args, consts, device, what):
         stages = real(fn, grid, args, consts, device, what)
+        args = args() if callable(args) else args
         launched.append(fn.warmup(*args, grid=grid, **dict(consts, num_stages=stages)).metadata.shared)
         return stages
 

@@ -925,11 +925,13 @@ def stages_that_fit(fn, grid, args, consts: dict, device_index: int, what: str) 
     (`shared_limit`), else the most below it that fits. Copies in flight take shared memory a
     stage; sm_86 and sm_89 cards (RTX 3090, 4090) allow 99 KiB a block and sm_80 163, where the
     H200 the stages were chosen on allows 227: pages of 256 tokens in two stages do not fit
-    there. Raises SharedMemoryError, naming the sizes, where even one stage does not."""
+    there. Raises SharedMemoryError, naming the sizes, where even one stage does not. `args`
+    may be a callable that gives them (built only where the choice is not cached yet)."""
     key = (fn, device_index, TUNE["shared_limit"], repr(sorted(consts.items())))
     stages = _STAGES.get(key)
     if stages is None:
         limit = shared_limit(device_index)
+        args = args() if callable(args) else args
         for stages in range(consts.get("num_stages") or 3, 0, -1):
             shared = fn.warmup(*args, grid=grid, **dict(consts, num_stages=stages)).metadata.shared
             if shared <= limit:
@@ -937,7 +939,7 @@ def stages_that_fit(fn, grid, args, consts: dict, device_index: int, what: str) 
         else:
             raise SharedMemoryError(
                 f"{what}: the Triton kernel needs {shared} bytes of shared memory a block even with one stage, and this GPU allows "
-                f"{limit}; use smaller blocks (KVConfig(block_size=64)) or backend='reference'")
+                f"{limit}; use smaller blocks (KVConfig's block_size), 16-bit inputs, or backend='reference'")
         _STAGES[key] = stages
     return stages
 
@@ -1440,7 +1442,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
         """Fewer stages where the plan's kernel does not fit the device's shared memory; whether
         that changed them (plans made since take them)."""
         nonlocal stages
-        fits = stages_that_fit(_decode_kernel, plan.grid, _decode_args(st, view, start, scale, plan)[-1], plan.consts, device,
+        fits = stages_that_fit(_decode_kernel, plan.grid, lambda: _decode_args(st, view, start, scale, plan)[-1], plan.consts, device,
                                "paged_decode_triton")
         if fits == plan.consts.get("num_stages"):
             return False
