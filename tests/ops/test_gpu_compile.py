@@ -4,7 +4,8 @@ the CPU interpreter runs but does not hold to the GPU compiler's rules:
 - the interpreter took a tensor-core dot of 8 columns (int2 at head_dim 64 split into two dots
   a sub-tile), which the compiler refuses (a dot needs K >= 16);
 - the H200 took int4 codes converted to bf16 by a bf16x2 subtract, which PTX has only from
-  sm_90 on: every int4 prefill and 2-D decode loop failed to compile for RTX 30 and 40 cards.
+  sm_90 on: the int4 prefill kernel and the 2-D decode loop, where they take bf16 codes,
+  failed to compile for RTX 30 and 40 cards.
 scripts/sass_decode.py compiles the kernel as the launcher does (ptxas ships in the triton
 wheel); these runs check that it compiles and that its shared memory fits the target's limit
 a block (99 KiB on sm_86 and sm_89). scripts/arch_compile.py does the same on the GPU for every
