@@ -14,6 +14,7 @@ N=${N:-4}
 PLUGIN=()
 if [ -n "${ARCHS:-}" ]; then
   export LONGCTX_ARCHS=$ARCHS ARCH_REPORT=$OUT/arch; PLUGIN=(-p scripts.arch_compile)
+  rm -rf "$ARCH_REPORT"  # (an earlier run's reports in the same $OUT would join this one's summary)
 fi
 ids=$OUT/test_ids.txt
 if [ -n "${IDS:-}" ]; then  # IDS=FILE: these node ids, one a line, instead of collecting
