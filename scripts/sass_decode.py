@@ -69,7 +69,7 @@ def compile_decode(a):
         ptrs = dict(POINTERS, OUT="*bf16")
     elif a.prefill:  # the prefill kernel: a.prefill rows (query tokens x G heads) a program
         bt = max(1, a.prefill // G)
-        const.update(BT=bt, M=max(16, triton.next_power_of_2(bt * G)))
+        const.update(BT=bt, M=max(16, triton.next_power_of_2(bt * G)), TP=a.tile if a.tile < a.block_size else 0)
         const = {k: v for k, v in const.items() if k in names}
     const = {k: v for k, v in const.items() if k in names}  # (a kernel of another commit may lack newer ones)
     nospec = {names[i] if isinstance(i, int) else i for i in (getattr(fn, "do_not_specialize", None) or ())}
@@ -143,6 +143,7 @@ def main() -> None:
     ap.add_argument("--pdl", type=int, default=0, help="launched as a programmatic dependent (TUNE pdl)")
     ap.add_argument("--merge-cols", type=int, default=0, help="with --merge-splits or --merge grid: columns a program (0: all)")
     ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")
+    ap.add_argument("--tile", type=int, default=0, help="with --prefill: tokens of a page a step (TUNE prefill_tile; 0: the whole page)")
     ap.add_argument("--keep", type=Path, help="write the kernel's .ttgir, .ptx and .sass into this folder")
     ap.add_argument("--live", action="store_true", help="also the peak of live registers in each loop and outside them "
                     "(nvdisasm's life ranges: where the kernel's register count comes from)")

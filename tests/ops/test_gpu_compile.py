@@ -8,7 +8,8 @@ the CPU interpreter runs but does not hold to the GPU compiler's rules:
   failed to compile for RTX 30 and 40 cards.
 scripts/sass_decode.py compiles the kernel as the launcher does (ptxas ships in the triton
 wheel); these runs check that it compiles and that its shared memory fits the target's limit
-a block (99 KiB on sm_86 and sm_89). scripts/arch_compile.py does the same on the GPU for every
+a block (99 KiB on sm_86 and sm_89; the prefill kernel over pages of 256 tokens fits there in
+tiles of 128, `prefill_tile`). scripts/arch_compile.py does the same on the GPU for every
 variant a test run launches."""
 
 import os
@@ -37,6 +38,9 @@ VARIANTS = {
     "prefill-int4-sm89": ["--arch", "89", "--prefill", "128", "--bits", "4", "--group-size", "64", "--stages", "2", "--warps", "8"],
     "prefill-int8-sm86": ["--arch", "86", "--prefill", "128", "--bits", "8", "--group-size", "64", "--stages", "2", "--warps", "8"],
     "int4+rot-side-sm80": ["--arch", "80", "--bits", "4", "--rotate", *SIDE],
+    # pages of 256 tokens on a 4090: a whole page needs 131,072 bytes in one stage, tiles of 128 fit
+    "prefill-int4-P256-tile128-sm89": ["--arch", "89", "--prefill", "128", "--bits", "4", "--group-size", "64", "--stages", "1", "--warps", "8",
+                                       "--k16", "4", "--v16", "0", "--block-size", "256", "--tile", "128"],
 }
 
 

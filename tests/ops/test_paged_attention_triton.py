@@ -1173,8 +1173,9 @@ def _prefill_within_budget(case, dtype):
     cache, k, v = fill(cfg, B, T, C, Hkv, D, dtype=dtype, seed=T)
     view = _to(cache.view(0), DEVICE)
     q = torch.randn(B, Hq, C, D, generator=torch.Generator().manual_seed(T + 2)).to(dtype)
-    # row 1 of a padded batch starts inside the chunk: its first queries see nothing
-    start = torch.tensor([min(4 * b + 1, T - 1) if b == 0 else T - C + 2 for b in range(B)], dtype=torch.int32) if pad else None
+    if pad is True:  # row 1 of a padded batch starts inside the chunk: its first queries see nothing
+        pad = [min(4 * b + 1, T - 1) if b == 0 else T - C + 2 for b in range(B)]
+    start = torch.tensor(pad, dtype=torch.int32) if pad else None  # (or each row's first position, given)
     out, lse = prefill.paged_prefill_triton(q.to(DEVICE), view, start.to(DEVICE) if pad else None, D**-0.5, splits=sp)
     ref_out, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
     k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T - C)
@@ -1189,6 +1190,94 @@ def _prefill_within_budget(case, dtype):
     assert err_kernel <= max(2 * err_ref, FLOOR[dtype]), (err_kernel, err_ref)
     err_lse = (lse[seen] - exact_lse[seen]).abs().max().item()
     assert err_lse <= max(2 * (ref_lse.double()[seen] - exact_lse[seen]).abs().max().item(), FLOOR[dtype]), err_lse
+
+
+# Pages read in tiles of fewer tokens (TUNE["prefill_tile"]; on a GPU, where a whole page does
+# not fit its shared memory): (case as KERNEL_PREFILL, padding as each row's first position, tile)
+TILED_PREFILL = [
+    ((2, 300, 20, 8, 2, 64, 64, dict(bits=4), [83, 0], 3), 16),  # padding ends in a sealed page's second tile
+    ((1, 260, 130, 4, 1, 64, 64, dict(bits=2, rotate=True), False, None), 32),  # query blocks end in different tail tiles
+    ((2, 200, 9, 4, 2, 128, 64, dict(bits=8), [0, 40], 2), 16),  # and in the sink page's third
+    ((1, 230, 37, 8, 2, 64, 64, dict(bits=16), [150], 4), 32),
+    ((1, 180, 11, 4, 2, 64, 128, dict(bits=4, k_bits=8), False, 3), 32),
+]
+
+
+@pytest.mark.parametrize("case, tile", TILED_PREFILL, ids=[f"{prefill_id(c)}-tile{t}" for c, t in TILED_PREFILL])
+def test_prefill_kernel_in_tiles_of_a_page(case, tile, monkeypatch):
+    """The prefill kernel reading each page as tiles of fewer tokens (the sink page, sealed
+    pages and the tail alike; K's scales the page's) keeps its budget: left padding that ends
+    inside a tile, splits, query blocks whose causal ends fall in different tail tiles,
+    rotation, 16-bit and mixed-bits pages, and the LSE."""
+    monkeypatch.setitem(TUNE, "prefill_tile", tile)
+    launched = []
+    real = prefill._prefill_fit
+
+    def spy(*args):  # records the tile each launch takes
+        consts = real(*args)
+        launched.append(consts["TP"])
+        return consts
+
+    monkeypatch.setattr(prefill, "_prefill_fit", spy)
+    _prefill_within_budget(case, dtypes()[-1])
+    assert launched == [tile]
+
+
+def test_prefill_tiles(monkeypatch):
+    """The tiles a prefill step may take: the page, or 128 tokens of a longer one, and their
+    halves down to 16 tokens (auto); or the one asked for, never more than the page; anything
+    else refused."""
+    assert prefill.prefill_tiles(256) == [128, 64, 32, 16] and prefill.prefill_tiles(64) == [64, 32, 16]
+    assert prefill.prefill_tiles(16) == [16]
+    monkeypatch.setitem(TUNE, "prefill_tile", 256)
+    assert prefill.prefill_tiles(256) == [256] and prefill.prefill_tiles(32) == [32]
+    for bad in (8, 48, -16, True, 64.0):
+        monkeypatch.setitem(TUNE, "prefill_tile", bad)
+        with pytest.raises(ValueError, match="prefill_tile"):
+            prefill.prefill_tiles(64)
+
+
+def test_prefill_takes_the_largest_tile_that_fits(monkeypatch):
+    """On a GPU the prefill launch takes the largest tile, in the most stages, whose kernel fits
+    the device's shared memory and spills at most SPILL_MAX words a thread (TP 0: the whole
+    page); where all that fit spill more, the least spilling; where none fits even in one
+    stage, SharedMemoryError names the smallest tile's need; the choice is cached, apart for
+    each tile option."""
+    from types import SimpleNamespace
+
+    # by (tile, stages): (shared bytes, local words a thread), int4 pages of 256 tokens (sm_89's, and some made up)
+    made = {(0, 2): (262144, 0), (128, 2): (163840, 0), (64, 2): (114688, 32), (32, 2): (90000, 0), (16, 2): (80000, 0),
+            (0, 1): (131072, 0), (128, 1): (98304, 148), (64, 1): (81920, 0), (32, 1): (70000, 0), (16, 1): (60000, 0)}
+    asked = []
+
+    def compiled(grid, args, consts, limit):
+        asked.append((consts["TP"], consts["num_stages"]))
+        need, spills = made[asked[-1]]
+        return need, spills if need <= limit else None
+
+    monkeypatch.setattr(prefill, "_compiled", compiled)
+    monkeypatch.setattr(prefill, "_FIT", {})
+    gpu = SimpleNamespace(gpu=True, device=0)
+    for tile, limit, want in ((0, 232448, [(128, 2)]), (0, 101376, [(128, 2), (128, 1), (64, 2), (64, 1)]),
+                              (0, 120000, [(128, 2), (128, 1), (64, 2)]), (256, 232448, [(0, 2), (0, 1)]), (256, 300000, [(0, 2)]),
+                              (32, 101376, [(32, 2)])):
+        monkeypatch.setitem(TUNE, "prefill_tile", tile)
+        monkeypatch.setattr(prefill, "shared_limit", lambda device, limit=limit: limit)
+        asked.clear()
+        got = prefill._prefill_fit((1,), (), dict(num_stages=2, X=limit), 256, gpu)
+        assert asked == want and (got["TP"], got["num_stages"]) == want[-1], (tile, limit, got, asked)
+        assert prefill._prefill_fit((1,), (), dict(num_stages=2, X=limit), 256, gpu) == got and len(asked) == len(want)  # cached
+    made.update({(64, 2): (114688, 100), (64, 1): (81920, 90), (32, 2): (90000, 80), (32, 1): (70000, 70), (16, 2): (80000, 99), (16, 1): (60000, 75)})
+    monkeypatch.setitem(TUNE, "prefill_tile", 0)  # all that fit spill: the least spilling
+    monkeypatch.setattr(prefill, "shared_limit", lambda device: 101376)
+    asked.clear()
+    got = prefill._prefill_fit((1,), (), dict(num_stages=2, X=1), 256, gpu)
+    assert (got["TP"], got["num_stages"]) == (32, 1) and len(asked) == 8
+    monkeypatch.setattr(prefill, "shared_limit", lambda device: 50000)
+    with pytest.raises(SharedMemoryError, match="needs 60000 bytes .* allows 50000"):
+        prefill._prefill_fit((1,), (), dict(num_stages=2), 256, gpu)
+    assert prefill._prefill_fit((1,), (), dict(num_stages=2), 256, SimpleNamespace(gpu=False))["TP"] == 128  # the CPU: the first
+    assert prefill._prefill_fit((1,), (), dict(num_stages=2), 64, SimpleNamespace(gpu=False))["TP"] == 0  # (the whole page)
 
 
 def test_prefill_path(monkeypatch):
@@ -1379,11 +1468,12 @@ SMALL_SHARED = [  # pages of 256 tokens (bf16 pages in two stages on the H200: 1
 def test_decode_and_prefill_within_a_consumer_cards_shared_memory(case, monkeypatch):
     """With an RTX 4090's 99 KiB of shared memory a block (TUNE["shared_limit"], on the H200),
     bf16 decode launches that would need more take fewer stages and stay within the budget, each
-    launched kernel within the limit. A prefill chunk through `paged_attention` stages where the
-    prefill kernel does not fit (it reads a whole page of 256 tokens a step: 131,072 bytes in
-    one stage on sm_90), and stays within the budget. (fp32 inputs: not run here; their kernels
-    compile for minutes at these sizes, and 16-bit fp32 pages of 256 tokens need 155,712 bytes
-    even in one stage, SharedMemoryError.)"""
+    launched kernel within the limit. A prefill chunk with left padding and the LSE (which
+    staging cannot serve) runs the prefill kernel over tiles of its pages where a whole page of
+    256 tokens does not fit (131,072 bytes in one stage on sm_90), within the budget and the
+    limit. (fp32 inputs: not run here; their kernels compile for minutes at these sizes, and
+    16-bit fp32 pages of 256 tokens need 155,712 bytes even in one stage for decode,
+    SharedMemoryError.)"""
     dtype = torch.bfloat16
     limit = 101376
     monkeypatch.setitem(TUNE, "shared_limit", limit)
@@ -1399,18 +1489,22 @@ def test_decode_and_prefill_within_a_consumer_cards_shared_memory(case, monkeypa
         return stages
 
     monkeypatch.setattr(K, "stages_that_fit", spy)
-    monkeypatch.setattr(prefill, "stages_that_fit", spy)
     B, T, Hq, Hkv, D, P, kw, pad, sp = case
     _within_budget(case, dtype)
     assert K.LAST["kernel"].metadata.shared <= limit
     assert launched and max(launched) <= limit, launched
-    cfg = KVConfig(block_size=P, **kw)
-    cache, k, v = fill(cfg, B, T, 9, Hkv, D, dtype=dtype, seed=T)
-    q = torch.randn(B, Hq, 9, D, generator=torch.Generator().manual_seed(T + 2)).to(dtype)
-    out, _ = paged_attention(q.to(DEVICE), _to(cache.view(0), DEVICE), backend="triton", return_lse=False)
-    ref_out, _ = paged_attention(q, cache.view(0), backend="reference")
-    exact_out, _ = attention_fp64(q, *expected_dense(k, v, cfg, sealed_tokens=T - 9))
-    assert (out.cpu().double() - exact_out).abs().max().item() <= max(2 * (ref_out.double() - exact_out).abs().max().item(), FLOOR[dtype])
+    launched.clear()
+    fit = prefill._prefill_fit
+
+    def fit_spy(grid, args, consts, block_size, st):
+        consts = fit(grid, args, consts, block_size, st)
+        launched.append((consts["TP"], *prefill._compiled(grid, args, consts, limit)))
+        return consts
+
+    monkeypatch.setattr(prefill, "_prefill_fit", fit_spy)
+    _prefill_within_budget((B, T, 9, Hq, Hkv, D, P, kw, [3 * b for b in range(B)], sp), dtype)
+    assert len(launched) == 1 and 0 < launched[0][0] < P and launched[0][1] <= limit, launched  # a tile of the page
+    assert launched[0][2] <= prefill.SPILL_MAX, launched
 
 
 def test_prefill_stages_where_the_kernel_does_not_fit(monkeypatch):

@@ -81,7 +81,7 @@ def paged_attention(
                 if prefill.prefill_path(C, view.pages.fmt) == "kernel" or not stageable():
                     try:
                         return prefill.paged_prefill_triton(q, view, start, D**-0.5 if scale is None else scale, return_lse)
-                    except SharedMemoryError:  # (pages of 256 tokens on a 99 KiB card): staging serves where it can
+                    except SharedMemoryError:  # (not even a tile of 16 tokens fits the GPU): staging serves where it can
                         if not stageable():
                             raise
                 return prefill.paged_prefill_staged(q, view, scale), None

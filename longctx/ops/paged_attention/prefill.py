@@ -30,7 +30,8 @@ from torch.nn.attention.bias import causal_lower_right
 from ..backend import TRITON_OPTIONS
 from ..gather_dequant import gather_dequant
 from ..pages import PagedView
-from .triton import TUNE, _merge_kernel, _merge_rotated, _rotated_partials, _rotation_knobs, _setup, num_splits, stages_that_fit
+from .triton import TUNE, _merge_kernel, _merge_rotated, _rotated_partials, _rotation_knobs, _setup, fit_key, num_splits, shared_limit
+from .triton import too_big
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
 from .triton_tiles import _load_queries, _page_scores, _page_values, _softmax_step, _step_ids, _zero_state
 
@@ -70,6 +71,7 @@ def _prefill_kernel(
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     WORDS: tl.constexpr, ASM: tl.constexpr, PK: tl.constexpr, PV: tl.constexpr,
     ROT_Q: tl.constexpr = False, ROT_O: tl.constexpr = False, INV_SQRT_D: tl.constexpr = 1.0, PTX: tl.constexpr = False,
+    TP: tl.constexpr = 0,
 ):
     """Prefill chunks over the quantized pages, no bf16 copy of the past: the decode kernel's
     page walk with M rows = BT query tokens x the G query heads of one KV head (token-major,
@@ -78,7 +80,12 @@ def _prefill_kernel(
     (row x KV head, query block, split); outputs [B, H*G, C, n_splits, D] and LSE
     [B, H*G, C, n_splits] (natural log), each split normalized on its own. Rotated pages as in
     decode: ROT_Q, the program rotates its queries; ROT_O, it rotates its sealed pages' share
-    back before storing (else OR holds it, rotated, for `_merge_rotated`)."""
+    back before storing (else OR holds it, rotated, for `_merge_rotated`). A step reads a tile
+    of TP tokens of a page (0: the whole page): tile u holds tokens u * TP .. u * TP + TP - 1
+    of the view, of page u // R; its K scales are the page's, read again for each tile. Tiles
+    keep the kernel within a consumer card's shared memory over pages of 256 tokens."""
+    TT: tl.constexpr = P if TP == 0 else TP  # tokens a step
+    R: tl.constexpr = P // TT  # tiles a page
     DK: tl.constexpr = D // PK
     DV: tl.constexpr = D // PV
     NG: tl.constexpr = D // GS
@@ -88,7 +95,7 @@ def _prefill_kernel(
     split = tl.program_id(2)
     offs_m = tl.arange(0, M)
     offs_d = tl.arange(0, D)
-    offs_p = tl.arange(0, P)
+    offs_p = tl.arange(0, TT)
     offs_k = tl.arange(0, DK)
     offs_v = tl.arange(0, DV)
     t = rb * BT + offs_m // G  # the row's query token in the chunk
@@ -103,7 +110,7 @@ def _prefill_kernel(
     ti = tail_len - C + t  # the query's own index in the tail: it sees tail tokens 0 .. ti
 
     # logical blocks: sinks [0, n_sink), sealed [n_sink, n_blocks), tail; none past this
-    # program's last query (causal)
+    # program's last query (causal). Steps walk tiles: tile u of block u // R.
     t_last = tl.minimum(rb * BT + BT, C) - 1
     total = n_blocks + (tail_len - C + t_last) // P + 1
     lo = split * blocks_per_split
@@ -113,11 +120,11 @@ def _prefill_kernel(
     every = offs_p >= 0
 
     # 1. sink pages (unquantized, unrotated)
-    for j in range(lo, tl.minimum(hi, n_sink)):
-        blk = tl.load(TABLE + b * stride_tb + j).to(tl.int64)
-        base = (blk * H + h) * P * D
+    for u in range(lo * R, tl.minimum(hi, n_sink) * R):
+        blk = tl.load(TABLE + b * stride_tb + u // R).to(tl.int64)
+        base = ((blk * H + h) * P + (u % R) * TT) * D
         s = _dense_scores(SINK_K + base, D, every, q, offs_p, offs_d, DOT, PREC)
-        s = tl.where((j * P + offs_p >= start)[None, :], s, float("-inf"))
+        s = tl.where((u * TT + offs_p >= start)[None, :], s, float("-inf"))
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
         v0, v1, v2, v3 = _dense_values(SINK_V + base, D, every, offs_p, offs_v, PV, DOT)
         a0, a1, a2, a3 = _acc(a0, a1, a2, a3, alpha, p.to(DOT), v0, v1, v2, v3, PV, PREC)
@@ -129,22 +136,26 @@ def _prefill_kernel(
     j1 = tl.minimum(hi, n_blocks)
     trow = TABLE + b * stride_tb
     n0, _, _, _ = _step_ids(trow, j0, j1, 1)
-    for j in range(j0, j1):
+    for u in range(j0 * R, j1 * R):
         blk0 = n0.to(tl.int64)
-        n0, _, _, _ = _step_ids(trow, j + 1, j1, 1)
-        s = _page_scores(KD, KC, KS, KZ, blk0 * H + h, 0, j1 - j, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+        n0, _, _, _ = _step_ids(trow, (u + 1) // R, j1, 1)
+        offs_t = (u % R) * TT + offs_p  # the tile's tokens in its page
+        s = _page_scores(KD, KC, KS, KZ, blk0 * H + h, 0, j1 - u // R, qp, qp0, qp1, qp2, qp3, offs_t, offs_d, offs_k,
                          D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
-        s = tl.where((j * P + offs_p >= start)[None, :], s, float("-inf"))
+        s = tl.where((u * TT + offs_p >= start)[None, :], s, float("-inf"))
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
-        row = (blk0 * H + h) * P + offs_p
+        row = (blk0 * H + h) * P + offs_t
         pv, v0, v1, v2, v3 = _page_values(VD, VC, VS, VZ, row, every, p, offs_v, D, DV, PV, NG, GS, V_BITS, V16, DOT, ASM)
         a0, a1, a2, a3, r0, r1, r2, r3 = _acc_sealed(a0, a1, a2, a3, r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC, ROTATE)
 
-    # 3. the tail (unquantized, unrotated), causal
-    for j in range(tl.maximum(lo, n_blocks), hi):
-        tt = (j - n_blocks) * P + offs_p
+    # 3. the tail (unquantized, unrotated), causal; no tile past the last query's own token
+    u_end = hi * R
+    if R > 1:
+        u_end = tl.minimum(u_end, n_blocks * R + (tail_len - C + t_last) // TT + 1)
+    for u in range(tl.maximum(lo, n_blocks) * R, u_end):
+        tt = (u - n_blocks * R) * TT + offs_p
         valid = tt < tail_len
-        base = b * s_tk_b + h * s_tk_h + (j - n_blocks) * P * s_tk_p
+        base = b * s_tk_b + h * s_tk_h + (u - n_blocks * R) * TT * s_tk_p
         s = _dense_scores(TAIL_K + base, s_tk_p, valid, q, offs_p, offs_d, DOT, PREC)
         see = (valid & (n_blocks * P + tt >= start))[None, :] & (tt[None, :] <= ti[:, None])
         s = tl.where(see, s, float("-inf"))
@@ -180,6 +191,77 @@ def prefill_path(chunk: int, fmt) -> str:
     return option
 
 
+TILE_MAX = 128  # tokens a prefill step reads at most unless asked for more (`prefill_tiles`)
+
+
+def prefill_tiles(block_size: int) -> list[int]:
+    """Tokens a prefill step may read (TUNE["prefill_tile"]), largest first: the page or, past
+    TILE_MAX tokens, TILE_MAX, and their halves down to 16 (0, "auto"); or the one tile asked
+    for (a page's size or more: the whole page)."""
+    tile = TUNE["prefill_tile"]
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 0 or (tile and (tile < 16 or tile & (tile - 1))):
+        raise ValueError(f"TUNE['prefill_tile'] must be 0 (auto) or a power of two >= 16, got {tile!r}")
+    if tile:
+        return [min(tile, block_size)]
+    top = min(block_size, TILE_MAX)
+    return [top >> i for i in range(top.bit_length()) if top >> i >= 16]
+
+
+_FIT: dict = {}  # the tile and stages a prefill launch takes, by its constexprs, tiles and dtypes
+SPILL_MAX = 64  # words of local memory (spilled registers) a thread a prefill kernel may take before a smaller tile is tried
+
+
+def _compiled(grid, args, consts: dict, limit: int) -> tuple[int, int | None]:
+    """(shared memory a block, local memory words a thread) of the prefill kernel compiled for
+    `args` with `consts` (warmed up, not launched); the words None where the shared memory is
+    over `limit` (the binary is then not loaded: Triton refuses to load one over the device's)."""
+    kernel = _prefill_kernel.warmup(*args, grid=grid, **consts)
+    if kernel.metadata.shared > limit:
+        return kernel.metadata.shared, None
+    if getattr(kernel, "n_spills", None) is None and hasattr(kernel, "_init_handles"):
+        kernel._init_handles()  # loads the binary, which reports its local memory
+    return kernel.metadata.shared, getattr(kernel, "n_spills", None) or 0
+
+
+def _prefill_fit(grid, args, consts: dict, block_size: int, st) -> dict:
+    """The prefill launch's constexprs with its tile (TP; 0: the whole page) and stages. On a GPU:
+    the largest tile (`prefill_tiles`), in the most stages (consts' num_stages at most), whose
+    kernel fits the device's shared memory (`shared_limit`) and spills at most SPILL_MAX words a
+    thread; where every one that fits spills more, the one that spills least; SharedMemoryError
+    where not even the smallest tile fits in one stage. On the CPU: the first tile.
+    - H200, int4 pages of 256 tokens, a 128k past, attention alone (`scripts/diag_prefill.py`,
+      notes v45), ms for chunks of 64 / 127 tokens: tiles of 128 in two stages (22 words of
+      local memory) 0.914 / 1.497 and 0.981 / 1.562 in two calls; whole pages in one stage (238
+      words; spills in the page loop) 1.033 / 1.633 and 1.030 / 1.649 (chunks of 16 went either
+      way); tiles of 64 in two 1.134 / 1.953. Under a 99 KiB card's limit: tiles of 128 in one
+      stage 1.123 / 1.794, of 32 in two 1.419 / 2.528 (hence the larger tile before more stages).
+    - sm_89 (RTX 4090), compiled here (`scripts/sass_decode.py --arch 89`), not run: tiles of 128
+      fit in one stage but spill (148 words; 147 loads and 143 stores a step of the page loop),
+      tiles of 64 in two stages fit and spill 32 words (7 and 2 a step)."""
+    tiles = prefill_tiles(block_size)
+    if not st.gpu:
+        return dict(consts, TP=tiles[0] if tiles[0] < block_size else 0)
+    key = (fit_key(_prefill_kernel, st.device, consts), tuple(tiles), tuple(getattr(a, "dtype", None) for a in args))
+    fit = _FIT.get(key)
+    if fit is None:
+        limit = shared_limit(st.device)
+        least = None  # (spills, candidate) of the fitting ones, the first best
+        for tile in tiles:
+            for stages in range(consts["num_stages"], 0, -1):
+                c = dict(consts, TP=tile if tile < block_size else 0, num_stages=stages)
+                need, spills = _compiled(grid, args, c, limit)
+                if spills is not None:
+                    if spills <= SPILL_MAX:
+                        fit = _FIT[key] = c
+                        return fit
+                    if least is None or spills < least[0]:
+                        least = (spills, c)
+        if least is None:
+            raise too_big("paged_prefill_triton", need, limit)
+        fit = _FIT[key] = least[1]
+    return fit
+
+
 def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = True, splits: int | None = None):
     """Prefill chunk over the quantized pages: q [B, H_q, C, D], the tail's last C tokens ->
     (out [B, H_q, C, D], lse [B, H_q, C] fp32 or None). Sinks and sealed pages are read in
@@ -209,8 +291,7 @@ def paged_prefill_triton(q, view: PagedView, start, scale, return_lse: bool = Tr
     consts = dict(st.consts, BT=bt, M=max(16, triton.next_power_of_2(bt * G)), K16=TUNE["prefill_k16"] if st.consts["K16"] else 0,
                   V16=st.consts["V16"] and TUNE["prefill_v16"], num_warps=TUNE["prefill_warps"], num_stages=TUNE["prefill_stages"],
                   **TRITON_OPTIONS)
-    if st.gpu:  # fewer stages where the kernel's shared memory does not fit the device
-        consts["num_stages"] = stages_that_fit(_prefill_kernel, grid, args, consts, st.device, "paged_prefill_triton")
+    consts = _prefill_fit(grid, args, consts, view.pages.fmt.block_size, st)
     _prefill_kernel[grid](*args, **consts)
     if one:
         return o[:, :, :, 0], (lse[..., 0] if return_lse else None)

@@ -834,7 +834,7 @@ TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnre
             pages=1, words=True, asm=1, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=True, pdl=False,
             rot_query=True, rot_out=True, shared_from=8192, shared_rows=8, shared_warps=1,
             prefill="auto", prefill_staged_from=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
-            prefill_k16=4, prefill_v16=False, shared_limit=0)
+            prefill_k16=4, prefill_v16=False, prefill_tile=0, shared_limit=0)
 # shared_limit: bytes of shared memory a launch may use, where lower than the device's (0: the
 # device's). A launch whose kernel needs more takes fewer stages (`stages_that_fit`); tests set
 # it to run a consumer card's 99 KiB on the H200.
@@ -868,6 +868,11 @@ TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnre
 # then stored a sub-tile of channels at a time; whole rows since v39: the whole chunk step 4.52 / 16.4 / 99.1).
 # 128 rows and 8 warps take 255 registers: one program per SM (prefill_programs).
 # prefill_staged_from: `prefill_path`'s crossover.
+# prefill_tile: tokens of a page a prefill step reads (a power of two >= 16), or 0: the largest of
+# the page (at most 128 tokens) and its halves that fits the device's shared memory without
+# spilling registers, in the most stages that do (prefill.py, `_prefill_fit`). Whole pages of 256
+# tokens need 131,072 bytes in one stage: over a 99 KiB card's, and slower than tiles of 128 on
+# the H200.
 STAMP: torch.Tensor | None = None  # diagnostics: int64 [>= programs * 8] for the kernel's STAMPS (scripts/diag_timeline.py)
 BOUND: torch.Tensor | None = None  # experiments: int32 [rows * KV heads, splits + 1], the kernel's BOUNDS (scripts/diag_balance.py)
 LAST: dict = {}  # the last decode kernel launched (compiled: registers, spills; its grid)
@@ -919,6 +924,24 @@ def shared_limit(device_index: int) -> int:
 _STAGES: dict = {}  # the stages a launch takes, by kernel, device, constexprs and options
 
 
+def fit_key(fn, device_index: int, consts: dict) -> tuple:
+    """A cache key for a launch's fit to the device's shared memory: the kernel, the device, the
+    limit and the constexprs and options (by repr: True and 1 compile apart)."""
+    return (fn, device_index, TUNE["shared_limit"], repr(sorted(consts.items())))
+
+
+def shared_bytes(fn, grid, args, consts: dict) -> int:
+    """Shared memory a block of `fn`'s kernel takes, compiled (warmed up, not launched) for
+    `args` with `consts` (its constexprs and options)."""
+    return fn.warmup(*args, grid=grid, **consts).metadata.shared
+
+
+def too_big(what: str, shared: int, limit: int) -> SharedMemoryError:
+    return SharedMemoryError(
+        f"{what}: the Triton kernel needs {shared} bytes of shared memory a block even with one stage, and this GPU allows "
+        f"{limit}; use smaller blocks (KVConfig's block_size), 16-bit inputs, or backend='reference'")
+
+
 def stages_that_fit(fn, grid, args, consts: dict, device_index: int, what: str) -> int:
     """num_stages for a launch of `fn` with `consts` (its constexprs and options, num_stages
     among them): theirs where the compiled kernel's shared memory fits the device
@@ -927,19 +950,17 @@ def stages_that_fit(fn, grid, args, consts: dict, device_index: int, what: str) 
     H200 the stages were chosen on allows 227: pages of 256 tokens in two stages do not fit
     there. Raises SharedMemoryError, naming the sizes, where even one stage does not. `args`
     may be a callable that gives them (built only where the choice is not cached yet)."""
-    key = (fn, device_index, TUNE["shared_limit"], repr(sorted(consts.items())))
+    key = fit_key(fn, device_index, consts)
     stages = _STAGES.get(key)
     if stages is None:
         limit = shared_limit(device_index)
         args = args() if callable(args) else args
         for stages in range(consts.get("num_stages") or 3, 0, -1):
-            shared = fn.warmup(*args, grid=grid, **dict(consts, num_stages=stages)).metadata.shared
+            shared = shared_bytes(fn, grid, args, dict(consts, num_stages=stages))
             if shared <= limit:
                 break
         else:
-            raise SharedMemoryError(
-                f"{what}: the Triton kernel needs {shared} bytes of shared memory a block even with one stage, and this GPU allows "
-                f"{limit}; use smaller blocks (KVConfig's block_size), 16-bit inputs, or backend='reference'")
+            raise too_big(what, shared, limit)
         _STAGES[key] = stages
     return stages
 

@@ -418,8 +418,9 @@ def _k_scales(KS, KZ, ksw, kzw, chan, mask, r: tl.constexpr, W16: tl.constexpr):
 def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
                  D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, PK: tl.constexpr, K_BITS: tl.constexpr,
                  DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr):
-    """Base-2 scores [G_PAD, P] of the n-th page of a loop step (pool row bh = block * H +
-    head; its loads are skipped when n >= left, the pages left in the split). Quantized K:
+    """Base-2 scores [G_PAD, T] of the n-th page of a loop step at its tokens offs_p [T] (pool
+    row bh = block * H + head, pages of P tokens; its loads are skipped when n >= left, the
+    pages left in the split). Quantized K:
     K16 == 3 dequantizes sub-tile r in KDT (fp16, or bf16 for codes < 128 with bf16 scales:
     codes * s + z, one FMA per two values) and dots it with the fixed KDT query qp_r; 0-2 fold the per-channel scales into the query
     instead, (q*s)_r . codes_r (0: fp32 codes through DOT; 1: fp16 1024 + code, subtracting
@@ -428,7 +429,7 @@ def _page_scores(KD, KC, KS, KZ, bh, n: tl.constexpr, left, qp, qp0, qp1, qp2, q
     shares each page's dequantization, and the 16-bit dequantization rounds twice where the
     multiply and add are not fused, as under the interpreter)."""
     pm = (offs_p[:, None] * 0 + n) < left  # tensor masks: the interpreter takes no scalar bool
-    s = tl.zeros((qp.shape[0], P), tl.float32)
+    s = tl.zeros((qp.shape[0], offs_p.shape[0]), tl.float32)
     if K_BITS == 16:  # (one return at the end: an early return in a branch miscompiled on the GPU)
         k = tl.load(KD + bh * P * D + offs_p[:, None] * D + offs_d[None, :], mask=pm, other=0.0)
         s = tl.dot(qp.to(DOT), tl.trans(k.to(DOT)), input_precision=PREC)
