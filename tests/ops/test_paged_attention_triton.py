@@ -1274,7 +1274,7 @@ def test_prefill_takes_the_largest_tile_that_fits(monkeypatch):
     got = prefill._prefill_fit((1,), (), dict(num_stages=2, X=1), 256, gpu)
     assert (got["TP"], got["num_stages"]) == (32, 1) and len(asked) == 8
     monkeypatch.setattr(prefill, "shared_limit", lambda device: 50000)
-    with pytest.raises(SharedMemoryError, match="needs 60000 bytes .* allows 50000"):
+    with pytest.raises(SharedMemoryError, match="needs 60000 bytes .* tiles of 16 tokens, and this GPU allows 50000"):
         prefill._prefill_fit((1,), (), dict(num_stages=2), 256, gpu)
     assert prefill._prefill_fit((1,), (), dict(num_stages=2), 256, SimpleNamespace(gpu=False))["TP"] == 128  # the CPU: the first
     assert prefill._prefill_fit((1,), (), dict(num_stages=2), 64, SimpleNamespace(gpu=False))["TP"] == 0  # (the whole page)

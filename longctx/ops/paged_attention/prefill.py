@@ -257,7 +257,8 @@ def _prefill_fit(grid, args, consts: dict, block_size: int, st) -> dict:
                     if least is None or spills < least[0]:
                         least = (spills, c)
         if least is None:
-            raise too_big("paged_prefill_triton", need, limit)
+            raise too_big("paged_prefill_triton", need, limit, f"with one stage and tiles of {tiles[-1]} tokens",
+                          "16-bit inputs, or backend='reference'")
         fit = _FIT[key] = least[1]
     return fit
 

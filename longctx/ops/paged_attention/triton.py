@@ -936,10 +936,12 @@ def shared_bytes(fn, grid, args, consts: dict) -> int:
     return fn.warmup(*args, grid=grid, **consts).metadata.shared
 
 
-def too_big(what: str, shared: int, limit: int) -> SharedMemoryError:
+def too_big(what: str, shared: int, limit: int, smallest: str = "with one stage",
+            advice: str = "smaller blocks (KVConfig's block_size), 16-bit inputs, or backend='reference'") -> SharedMemoryError:
+    """The error of a launch whose kernel does not fit the device's shared memory even in its
+    `smallest` form."""
     return SharedMemoryError(
-        f"{what}: the Triton kernel needs {shared} bytes of shared memory a block even with one stage, and this GPU allows "
-        f"{limit}; use smaller blocks (KVConfig's block_size), 16-bit inputs, or backend='reference'")
+        f"{what}: the Triton kernel needs {shared} bytes of shared memory a block even {smallest}, and this GPU allows {limit}; use {advice}")
 
 
 def stages_that_fit(fn, grid, args, consts: dict, device_index: int, what: str) -> int:
