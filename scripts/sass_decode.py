@@ -49,10 +49,10 @@ def compile_decode(a):
     ptrs = dict(POINTERS, KC=code, VC=code, **{n: f"*{a.scales}" for n in ("KS", "KZ", "VS", "VZ")})
     G = a.q_heads // a.kv_heads
     gm = triton.next_power_of_2(G)
-    const = dict(H=a.kv_heads, G=G, G_PAD=max(a.g_pad, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.bits, GS=a.group_size,
+    const = dict(H=a.kv_heads, G=G, G_PAD=max(a.g_pad, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.v_bits or a.bits, GS=a.group_size,
                  ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
-                 PK=K._per(a.bits, a.words), PV=K._per(a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
+                 PK=K._per(a.bits, a.words), PV=K._per(a.v_bits or a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
                  SKIP=bool(a.skip), STAMPS=None, TINY_CODES=bool(a.tiny and a.wp), PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
     const.update(GRID=0, S_PAD=0, SC=0, BD=0, TAIL_DEV=False, BLOCKS_DEV=False, R=a.rows, ROT_Q=a.rotate and bool(a.rot_query),
                  ROT_O=a.rotate and bool(a.rot_out), INV_SQRT_D=K.hadamard_scale(a.head_dim) if a.rotate else 1.0, PTX=True)  # (host lengths, as eager calls pass them)
@@ -105,6 +105,7 @@ def live_registers(nvdisasm: Path, cubin: Path):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bits", type=int, default=4, choices=(16, 8, 4, 2))
+    ap.add_argument("--v-bits", type=int, default=0, choices=(0, 16, 8, 4, 2), help="V's bits where they differ from K's (--bits)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (80: A100, 86: RTX 3090, 89: RTX 4090, 90: H100/H200)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--head-dim", type=int, default=128)

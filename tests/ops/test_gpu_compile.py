@@ -38,7 +38,9 @@ VARIANTS = {
     "prefill-int4-sm89": ["--arch", "89", "--prefill", "128", "--bits", "4", "--group-size", "64", "--stages", "2", "--warps", "8"],
     "prefill-int8-sm86": ["--arch", "86", "--prefill", "128", "--bits", "8", "--group-size", "64", "--stages", "2", "--warps", "8"],
     "int4+rot-side-sm80": ["--arch", "80", "--bits", "4", "--rotate", *SIDE],
-    # pages of 256 tokens on a 4090: a whole page needs 131,072 bytes in one stage, tiles of 128 fit
+    # pages of 256 tokens on a 4090: the 2-D decode loop over a 16-bit side fits in one stage (two: 155,648 bytes)
+    "2d-k16v4-P256-sm89": ["--arch", "89", "--bits", "16", "--v-bits", "4", "--block-size", "256", "--stages", "1"],
+    # and the prefill kernel: a whole page needs 131,072 bytes in one stage, tiles of 128 fit
     "prefill-int4-P256-tile128-sm89": ["--arch", "89", "--prefill", "128", "--bits", "4", "--group-size", "64", "--stages", "1", "--warps", "8",
                                        "--k16", "4", "--v16", "0", "--block-size", "256", "--tile", "128"],
 }
