@@ -1245,7 +1245,7 @@ def test_prefill_takes_the_largest_tile_that_fits(monkeypatch):
     each tile option."""
     from types import SimpleNamespace
 
-    # by (tile, stages): (shared bytes, local words a thread), int4 pages of 256 tokens (sm_89's, and some made up)
+    # by (tile, stages): (shared bytes, local words a thread) for int4 pages of 256 tokens: sizes of sm_90 and sm_89 compiles, some made up
     made = {(0, 2): (262144, 0), (128, 2): (163840, 0), (64, 2): (114688, 32), (32, 2): (90000, 0), (16, 2): (80000, 0),
             (0, 1): (131072, 0), (128, 1): (98304, 148), (64, 1): (81920, 0), (32, 1): (70000, 0), (16, 1): (60000, 0)}
     asked = []
