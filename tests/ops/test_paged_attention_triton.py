@@ -1256,7 +1256,7 @@ def test_prefill_takes_the_largest_tile_that_fits(monkeypatch):
         return need, spills if need <= limit else None
 
     monkeypatch.setattr(prefill, "_compiled", compiled)
-    monkeypatch.setattr(prefill, "_FIT", {})
+    monkeypatch.setattr(prefill, "_TILES", {})
     gpu = SimpleNamespace(gpu=True, device=0)
     for tile, limit, want in ((0, 232448, [(128, 2)]), (0, 101376, [(128, 2), (128, 1), (64, 2), (64, 1)]),
                               (0, 120000, [(128, 2), (128, 1), (64, 2)]), (256, 232448, [(0, 2), (0, 1)]), (256, 300000, [(0, 2)]),

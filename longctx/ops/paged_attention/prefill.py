@@ -31,7 +31,7 @@ from ..backend import TRITON_OPTIONS
 from ..gather_dequant import gather_dequant
 from ..pages import PagedView
 from .triton import TUNE, _merge_kernel, _merge_rotated, _rotated_partials, _rotation_knobs, _setup, fit_key, num_splits, shared_limit
-from .triton import too_big
+from .triton import loaded, too_big
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
 from .triton_tiles import _load_queries, _page_scores, _page_values, _softmax_step, _step_ids, _zero_state
 
@@ -207,7 +207,7 @@ def prefill_tiles(block_size: int) -> list[int]:
     return [top >> i for i in range(top.bit_length()) if top >> i >= 16]
 
 
-_FIT: dict = {}  # the tile and stages a prefill launch takes, by its constexprs, tiles and dtypes
+_TILES: dict = {}  # the tile and stages a prefill launch takes, by its constexprs, tiles and dtypes
 SPILL_MAX = 64  # words of local memory (spilled registers) a thread a prefill kernel may take before a smaller tile is tried
 
 
@@ -218,9 +218,7 @@ def _compiled(grid, args, consts: dict, limit: int) -> tuple[int, int | None]:
     kernel = _prefill_kernel.warmup(*args, grid=grid, **consts)
     if kernel.metadata.shared > limit:
         return kernel.metadata.shared, None
-    if getattr(kernel, "n_spills", None) is None and hasattr(kernel, "_init_handles"):
-        kernel._init_handles()  # loads the binary, which reports its local memory
-    return kernel.metadata.shared, getattr(kernel, "n_spills", None) or 0
+    return kernel.metadata.shared, getattr(loaded(kernel), "n_spills", None) or 0
 
 
 def _prefill_fit(grid, args, consts: dict, block_size: int, st) -> dict:
@@ -242,7 +240,7 @@ def _prefill_fit(grid, args, consts: dict, block_size: int, st) -> dict:
     if not st.gpu:
         return dict(consts, TP=tiles[0] if tiles[0] < block_size else 0)
     key = (fit_key(_prefill_kernel, st.device, consts), tuple(tiles), tuple(getattr(a, "dtype", None) for a in args))
-    fit = _FIT.get(key)
+    fit = _TILES.get(key)
     if fit is None:
         limit = shared_limit(st.device)
         least = None  # (spills, candidate) of the fitting ones, the first best
@@ -252,14 +250,14 @@ def _prefill_fit(grid, args, consts: dict, block_size: int, st) -> dict:
                 need, spills = _compiled(grid, args, c, limit)
                 if spills is not None:
                     if spills <= SPILL_MAX:
-                        fit = _FIT[key] = c
+                        fit = _TILES[key] = c
                         return fit
                     if least is None or spills < least[0]:
                         least = (spills, c)
         if least is None:
             raise too_big("paged_prefill_triton", need, limit, f"with one stage and tiles of {tiles[-1]} tokens",
                           "16-bit inputs, or backend='reference'")
-        fit = _FIT[key] = least[1]
+        fit = _TILES[key] = least[1]
     return fit
 
 

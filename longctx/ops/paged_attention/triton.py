@@ -975,11 +975,17 @@ def _sm_count(device_index: int) -> int:
 _FIT: dict = {}  # programs per SM that fit, by device, format and TUNE
 
 
+def loaded(kernel):
+    """A compiled (warmed-up) kernel with its binary loaded, which reports its registers
+    (n_regs) and local memory (n_spills, words a thread)."""
+    if getattr(kernel, "n_regs", None) is None and hasattr(kernel, "_init_handles"):
+        kernel._init_handles()
+    return kernel
+
+
 def _fit(kernel, num_warps: int, device: int) -> int:
     """programs_fit of a compiled (warmed-up) decode kernel on `device`."""
-    if getattr(kernel, "n_regs", None) is None and hasattr(kernel, "_init_handles"):
-        kernel._init_handles()  # loads the binary, which reports the registers
-    regs = getattr(kernel, "n_regs", None)
+    regs = getattr(loaded(kernel), "n_regs", None)
     if regs is None:  # a Triton that does not say: keep TUNE's count
         return 32
     return programs_fit(regs, kernel.metadata.shared, num_warps, torch.cuda.get_device_properties(device))
