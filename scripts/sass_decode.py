@@ -47,12 +47,15 @@ def compile_decode(a):
     words = a.words and a.bits in (4, 8)
     code = "*i16" if words else "*u8"
     ptrs = dict(POINTERS, KC=code, VC=code, **{n: f"*{a.scales}" for n in ("KS", "KZ", "VS", "VZ")})
+    half = a.dtype != "fp32"  # (the launcher's dots take the queries' dtype; fp32 takes no 16-bit dequantization)
+    dot = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[a.dtype]
     G = a.q_heads // a.kv_heads
     gm = triton.next_power_of_2(G)
     const = dict(H=a.kv_heads, G=G, G_PAD=max(a.g_pad, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.v_bits or a.bits, GS=a.group_size,
-                 ROTATE=a.rotate, HAS_START=False, DOT=tl.bfloat16, PREC="tf32", K16=a.k16, V16=a.v16, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
+                 ROTATE=a.rotate, HAS_START=False, DOT=dot, PREC="tf32" if half else "ieee", K16=a.k16 if half else 0, V16=a.v16 if half else 0, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
-                 PK=K._per(a.bits, a.words), PV=K._per(a.v_bits or a.bits, a.words), WP=a.wp, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else 0,
+                 PK=K._per(a.bits, a.words), PV=K._per(a.v_bits or a.bits, a.words), WP=a.wp, TD=a.tile if a.tile < a.block_size and not a.prefill else 0, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else a.tile if a.tile < a.block_size and not a.prefill else 0,  # (the 2-D loop in tiles: its sinks and tail too)
+                
                  SKIP=bool(a.skip), STAMPS=None, TINY_CODES=bool(a.tiny and a.wp), PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
     const.update(GRID=0, S_PAD=0, SC=0, BD=0, TAIL_DEV=False, BLOCKS_DEV=False, R=a.rows, ROT_Q=a.rotate and bool(a.rot_query),
                  ROT_O=a.rotate and bool(a.rot_out), INV_SQRT_D=K.hadamard_scale(a.head_dim) if a.rotate else 1.0, PTX=True)  # (host lengths, as eager calls pass them)
@@ -73,7 +76,7 @@ def compile_decode(a):
         const = {k: v for k, v in const.items() if k in names}
     const = {k: v for k, v in const.items() if k in names}  # (a kernel of another commit may lack newer ones)
     nospec = {names[i] if isinstance(i, int) else i for i in (getattr(fn, "do_not_specialize", None) or ())}
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.isupper() and n not in ("C", "S") else "fp32" if n == "scale" else "i32" for n in names}
+    sig = {n: "constexpr" if n in const else ptrs.get(n, f"*{a.dtype}") if n.isupper() and n not in ("C", "S") else "fp32" if n == "scale" else "i32" for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or (sig[n] == "i32" and n not in nospec)}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
@@ -115,6 +118,7 @@ def main() -> None:
     ap.add_argument("--rotate", action="store_true")
     ap.add_argument("--rot-query", type=int, default=int(K.TUNE["rot_query"]), help="with --rotate: the program rotates its queries (TUNE rot_query)")
     ap.add_argument("--rot-out", type=int, default=int(K.TUNE["rot_out"]), help="with --rotate: the program rotates its share back (TUNE rot_out)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="dtype of the queries, the outputs and 16-bit pages, sinks and tail (fp32: dots in fp32, no 16-bit dequantization)")
     ap.add_argument("--scales", default="bf16", choices=("bf16", "fp16", "fp32"), help="dtype of the scales and zero points")
     ap.add_argument("--g-pad", type=int, default=16, help="pad the query heads of a KV head to at least this many rows")
     ap.add_argument("--warps", type=int, default=K.TUNE["num_warps"])
@@ -144,7 +148,7 @@ def main() -> None:
     ap.add_argument("--pdl", type=int, default=0, help="launched as a programmatic dependent (TUNE pdl)")
     ap.add_argument("--merge-cols", type=int, default=0, help="with --merge-splits or --merge grid: columns a program (0: all)")
     ap.add_argument("--prefill", type=int, default=0, help="compile the prefill kernel with this many rows a program instead")
-    ap.add_argument("--tile", type=int, default=0, help="with --prefill: tokens of a page a step (TUNE prefill_tile; 0: the whole page)")
+    ap.add_argument("--tile", type=int, default=0, help="tokens of a page a step: the prefill kernel's (--prefill, TUNE prefill_tile) or the 2-D decode loop's (TUNE loop_tile); 0: the whole page")
     ap.add_argument("--keep", type=Path, help="write the kernel's .ttgir, .ptx and .sass into this folder")
     ap.add_argument("--live", action="store_true", help="also the peak of live registers in each loop and outside them "
                     "(nvdisasm's life ranges: where the kernel's register count comes from)")

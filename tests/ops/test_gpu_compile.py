@@ -9,7 +9,7 @@ the CPU interpreter runs but does not hold to the GPU compiler's rules:
 scripts/sass_decode.py compiles the kernel as the launcher does (ptxas ships in the triton
 wheel); these runs check that it compiles and that its shared memory fits the target's limit
 a block (99 KiB on sm_86 and sm_89; the prefill kernel over pages of 256 tokens fits there in
-tiles of 128, `prefill_tile`). scripts/arch_compile.py does the same on the GPU for every
+tiles of 128, `prefill_tile`, and fp32 decode over 16-bit ones in tiles of 64, `loop_tile`). scripts/arch_compile.py does the same on the GPU for every
 variant a test run launches."""
 
 import os
@@ -40,6 +40,8 @@ VARIANTS = {
     "int4+rot-side-sm80": ["--arch", "80", "--bits", "4", "--rotate", *SIDE],
     # pages of 256 tokens on a 4090: the 2-D decode loop over a 16-bit side fits in one stage (two: 155,648 bytes)
     "2d-k16v4-P256-sm89": ["--arch", "89", "--bits", "16", "--v-bits", "4", "--block-size", "256", "--stages", "1"],
+    # fp32 queries over 16-bit pages of 256 tokens: whole pages need 155,712 bytes in one stage, tiles of 64 (the loop's, its sinks' and tail's) 78,080
+    "2d-fp32-P256-tile64-sm89": ["--arch", "89", "--bits", "16", "--block-size", "256", "--stages", "1", "--dtype", "fp32", "--tile", "64"],
     # and the prefill kernel: a whole page needs 131,072 bytes in one stage, tiles of 128 fit
     "prefill-int4-P256-tile128-sm89": ["--arch", "89", "--prefill", "128", "--bits", "4", "--group-size", "64", "--stages", "1", "--warps", "8",
                                        "--k16", "4", "--v16", "0", "--block-size", "256", "--tile", "128"],
