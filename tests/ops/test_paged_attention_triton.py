@@ -371,6 +371,72 @@ def test_big_pages_take_the_2d_loop_without_side_tiles(monkeypatch):
     assert K.LAST["side"] == 0
 
 
+# the 2-D loop (pages with a 16-bit side, or TUNE["side"] 0) reading pages in tiles (TUNE["loop_tile"])
+LOOP_TILES = [
+    ((1, 600, 8, 2, 64, 256, dict(bits=16), False, 2), 64),  # the case it is for: 16-bit pages of 256 tokens
+    ((2, 330, 9, 3, 64, 64, dict(bits=16), False, 3), 16),  # padding (starts) ends in a sealed page's third tile
+    ((2, 420, 4, 1, 64, 128, dict(bits=4, k_bits=16), False, 2), 32),  # and in the sink page's second
+    ((1, 300, 8, 2, 128, 64, dict(bits=16, k_bits=4), True, None), 32),
+    ((1, 500, 4, 2, 64, 128, dict(bits=4, group_size=32), True, 3), 32),  # quantized pages (TUNE side 0)
+    ((2, 260, 8, 2, 64, 64, dict(bits=2, rotate=True), False, 1), 16),
+]
+LOOP_STARTS = {1: [100, 0], 2: [40, 150]}  # (cases' indices in LOOP_TILES)
+
+
+@pytest.mark.parametrize("i", range(len(LOOP_TILES)), ids=[f"{case_id(c)}-tile{t}" for c, t in LOOP_TILES])
+@pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
+def test_2d_loop_in_tiles_of_a_page_within_budget(i, dtype, monkeypatch):
+    """The 2-D decode loop reading each page (the sink page, sealed pages, the tail) in tiles of
+    fewer tokens, K's scales the page's: the budget with 16-bit pages, mixed 16-bit and
+    quantized sides, quantized pages, left padding ending inside a tile, GQA 3, splits."""
+    case, tile = LOOP_TILES[i]
+    monkeypatch.setitem(TUNE, "loop_tile", tile)
+    monkeypatch.setitem(TUNE, "side", 0)  # (quantized pages: the 2-D loop)
+    monkeypatch.setattr(K, "_PLANS", {})
+    _within_budget(case, dtype, starts=LOOP_STARTS.get(i))
+    assert K.LAST["tile"] == tile and K.LAST["side"] == 0
+
+
+def test_loop_tile_option(monkeypatch):
+    """TUNE["loop_tile"]: 0 reads whole pages; a tile of a page's size or more, too; anything
+    else than a power of two >= 16 is refused."""
+    case = (1, 300, 4, 2, 64, 64, dict(bits=16), False, 2)
+    monkeypatch.setattr(K, "_PLANS", {})
+    for tile in (0, 64, 256):
+        monkeypatch.setitem(TUNE, "loop_tile", tile)
+        _within_budget(case, torch.float32)
+        assert K.LAST["tile"] == 0
+    for bad in (8, 48, True, 32.0):
+        monkeypatch.setitem(TUNE, "loop_tile", bad)
+        with pytest.raises(ValueError, match="loop_tile"):
+            _within_budget(case, torch.float32)
+
+
+def test_2d_loop_takes_tiles_where_whole_pages_do_not_fit(monkeypatch):
+    """`_loop_fit`: the largest tile, in the most stages, whose decode kernel fits the device's
+    shared memory (and spills at most SPILL_MAX words), cached; SharedMemoryError naming the
+    smallest tile's need where none fits."""
+    made = {(128, 2): (200000, 0), (128, 1): (147712, 0), (64, 2): (120000, 0), (64, 1): (78080, 91), (32, 2): (43264, 23),
+            (32, 1): (30000, 0), (16, 2): (30000, 0), (16, 1): (20000, 0)}
+    asked = []
+
+    def compiled(fn, grid, args, consts, limit):
+        assert fn is K._decode_kernel and consts["DENSE"] == consts["TD"] and consts["PAGES"] == 1
+        asked.append((consts["TD"], consts["num_stages"]))
+        need, spills = made[asked[-1]]
+        return need, spills if need <= limit else None
+
+    monkeypatch.setattr(K, "compiled_fit", compiled)
+    monkeypatch.setattr(K, "_LOOP_TILES", {})
+    monkeypatch.setattr(K, "shared_limit", lambda device: 101376)
+    assert K._loop_fit((1,), (), dict(num_stages=2), [128, 64, 32, 16], 0) == (32, 2)
+    assert asked == [(128, 2), (128, 1), (64, 2), (64, 1), (32, 2)]
+    assert K._loop_fit((1,), (), dict(num_stages=2), [128, 64, 32, 16], 0) == (32, 2) and len(asked) == 5  # cached
+    monkeypatch.setattr(K, "shared_limit", lambda device: 10000)
+    with pytest.raises(SharedMemoryError, match="needs 20000 bytes .* tiles of 16 tokens, and this GPU allows 10000"):
+        K._loop_fit((1,), (), dict(num_stages=2, X=1), [128, 64, 32, 16], 0)
+
+
 # int8 pages (and mixed int8 K, int4 V), which go side by side with TUNE["side_bits"] 8
 SIDE8_CASES = [_long(CASES[2], 1), _long(CASES[6], 2), _long(CASES[9], 2), CASES[13]]
 
@@ -1471,9 +1537,7 @@ def test_decode_and_prefill_within_a_consumer_cards_shared_memory(case, monkeypa
     launched kernel within the limit. A prefill chunk with left padding and the LSE (which
     staging cannot serve) runs the prefill kernel over tiles of its pages where a whole page of
     256 tokens does not fit (131,072 bytes in one stage on sm_90), within the budget and the
-    limit. (fp32 inputs: not run here; their kernels compile for minutes at these sizes, and
-    16-bit fp32 pages of 256 tokens need 155,712 bytes even in one stage for decode,
-    SharedMemoryError.)"""
+    limit. (fp32 inputs: the next test.)"""
     dtype = torch.bfloat16
     limit = 101376
     monkeypatch.setitem(TUNE, "shared_limit", limit)
@@ -1505,6 +1569,26 @@ def test_decode_and_prefill_within_a_consumer_cards_shared_memory(case, monkeypa
     _prefill_within_budget((B, T, 9, Hq, Hkv, D, P, kw, [3 * b for b in range(B)], sp), dtype)
     assert len(launched) == 1 and 0 < launched[0][0] < P and launched[0][1] <= limit, launched  # a tile of the page
     assert launched[0][2] <= prefill.SPILL_MAX, launched
+
+
+@pytest.mark.gpu
+def test_fp32_decode_over_16_bit_pages_within_a_consumer_cards_shared_memory(monkeypatch):
+    """fp32 queries over 16-bit pages of 256 tokens go through the 2-D loop, whose whole pages
+    need 155,712 bytes of shared memory even in one stage (sm_89 and sm_90): under an RTX 4090's
+    99 KiB (TUNE["shared_limit"], on the H200) the launch reads them in tiles (`_loop_fit`),
+    within the limit and the budget. Without the limit the H200 reads whole pages. (Mixed pages,
+    k16v4, take the same path: their whole pages compile for minutes in three stages, two and
+    one, so their tiles are checked by test_2d_loop_in_tiles_of_a_page_within_budget.)"""
+    case = (1, 600, 8, 2, 128, 256, dict(bits=16), True, 2)
+    limit = 101376
+    monkeypatch.setitem(TUNE, "shared_limit", 0)  # (the device's, whatever a run set)
+    monkeypatch.setattr(K, "_PLANS", {})
+    _within_budget(case, torch.float32)
+    assert K.LAST["tile"] == 0 and K.LAST["kernel"].metadata.shared > limit
+    monkeypatch.setitem(TUNE, "shared_limit", limit)
+    monkeypatch.setattr(K, "_PLANS", {})
+    _within_budget(case, torch.float32)
+    assert 16 <= K.LAST["tile"] < 256 and K.LAST["kernel"].metadata.shared <= limit, (K.LAST["tile"], K.LAST["kernel"].metadata.shared)
 
 
 def test_prefill_stages_where_the_kernel_does_not_fit(monkeypatch):

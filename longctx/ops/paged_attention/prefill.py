@@ -31,7 +31,7 @@ from ..backend import TRITON_OPTIONS
 from ..gather_dequant import gather_dequant
 from ..pages import PagedView
 from .triton import TUNE, _merge_kernel, _merge_rotated, _rotated_partials, _rotation_knobs, _setup, fit_key, num_splits, shared_limit
-from .triton import loaded, too_big
+from .triton import SPILL_MAX, compiled_fit, fit_tile, page_tiles  # noqa: F401  (SPILL_MAX: the prefill fit's, for its callers)
 from .triton_tiles import LOG2E, _acc, _acc_sealed, _dense_scores, _dense_values, _finish
 from .triton_tiles import _load_queries, _page_scores, _page_values, _softmax_step, _step_ids, _zero_state
 
@@ -191,34 +191,17 @@ def prefill_path(chunk: int, fmt) -> str:
     return option
 
 
-TILE_MAX = 128  # tokens a prefill step reads at most unless asked for more (`prefill_tiles`)
-
-
 def prefill_tiles(block_size: int) -> list[int]:
-    """Tokens a prefill step may read (TUNE["prefill_tile"]), largest first: the page or, past
-    TILE_MAX tokens, TILE_MAX, and their halves down to 16 (0, "auto"); or the one tile asked
-    for (a page's size or more: the whole page)."""
-    tile = TUNE["prefill_tile"]
-    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 0 or (tile and (tile < 16 or tile & (tile - 1))):
-        raise ValueError(f"TUNE['prefill_tile'] must be 0 (auto) or a power of two >= 16, got {tile!r}")
-    if tile:
-        return [min(tile, block_size)]
-    top = min(block_size, TILE_MAX)
-    return [top >> i for i in range(top.bit_length()) if top >> i >= 16]
+    """Tokens a prefill step may read (TUNE["prefill_tile"]), largest first (`page_tiles`)."""
+    return page_tiles(block_size, "prefill_tile")
 
 
 _TILES: dict = {}  # the tile and stages a prefill launch takes, by its constexprs, tiles and dtypes
-SPILL_MAX = 64  # words of local memory (spilled registers) a thread a prefill kernel may take before a smaller tile is tried
 
 
 def _compiled(grid, args, consts: dict, limit: int) -> tuple[int, int | None]:
-    """(shared memory a block, local memory words a thread) of the prefill kernel compiled for
-    `args` with `consts` (warmed up, not launched); the words None where the shared memory is
-    over `limit` (the binary is then not loaded: Triton refuses to load one over the device's)."""
-    kernel = _prefill_kernel.warmup(*args, grid=grid, **consts)
-    if kernel.metadata.shared > limit:
-        return kernel.metadata.shared, None
-    return kernel.metadata.shared, getattr(loaded(kernel), "n_spills", None) or 0
+    """`compiled_fit` of the prefill kernel."""
+    return compiled_fit(_prefill_kernel, grid, args, consts, limit)
 
 
 def _prefill_fit(grid, args, consts: dict, block_size: int, st) -> dict:
@@ -243,21 +226,13 @@ def _prefill_fit(grid, args, consts: dict, block_size: int, st) -> dict:
     fit = _TILES.get(key)
     if fit is None:
         limit = shared_limit(st.device)
-        least = None  # (spills, candidate) of the fitting ones, the first best
-        for tile in tiles:
-            for stages in range(consts["num_stages"], 0, -1):
-                c = dict(consts, TP=tile if tile < block_size else 0, num_stages=stages)
-                need, spills = _compiled(grid, args, c, limit)
-                if spills is not None:
-                    if spills <= SPILL_MAX:
-                        fit = _TILES[key] = c
-                        return fit
-                    if least is None or spills < least[0]:
-                        least = (spills, c)
-        if least is None:
-            raise too_big("paged_prefill_triton", need, limit, f"with one stage and tiles of {tiles[-1]} tokens",
-                          "16-bit inputs, or backend='reference'")
-        fit = _TILES[key] = least[1]
+
+        def chosen(tile: int, stages: int) -> dict:
+            return dict(consts, TP=tile if tile < block_size else 0, num_stages=stages)
+
+        tile, stages = fit_tile(lambda tile, stages: _compiled(grid, args, chosen(tile, stages), limit), tiles, consts["num_stages"], limit,
+                                "paged_prefill_triton", "16-bit inputs, or backend='reference'")
+        fit = _TILES[key] = chosen(tile, stages)
     return fit
 
 

@@ -62,7 +62,7 @@ def _decode_kernel(
     STAMPS=None, PDL: tl.constexpr = False, GRID: tl.constexpr = 0, S_PAD: tl.constexpr = 0, SC: tl.constexpr = 0,
     BD: tl.constexpr = 0, TINY_CODES: tl.constexpr = False, BOUNDS=None, TAIL_DEV: tl.constexpr = False,
     BLOCKS_DEV: tl.constexpr = False, R: tl.constexpr = 1, ROT_Q: tl.constexpr = False, ROT_O: tl.constexpr = False,
-    INV_SQRT_D: tl.constexpr = 1.0, PTX: tl.constexpr = False,
+    INV_SQRT_D: tl.constexpr = 1.0, PTX: tl.constexpr = False, TD: tl.constexpr = 0,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -96,7 +96,10 @@ def _decode_kernel(
     ROTATE with ROT_Q: the program rotates its queries itself (Q's rows; QR is not read); with
     ROT_O: it rotates its sealed pages' share back before storing, so that O holds unrotated
     partials (OR is not written) and they merge as unrotated pages' do (INV_SQRT_D: the
-    Hadamard matrix's entries' magnitude; PTX: compiled for a GPU, where inline PTX may stand)."""
+    Hadamard matrix's entries' magnitude; PTX: compiled for a GPU, where inline PTX may stand).
+    TD > 0 (TUNE["loop_tile"], with PAGES 1): the 2-D loop reads its pages in tiles of TD
+    tokens, a tile a step (K's scales are the page's, read again each tile), where a whole
+    page does not fit the GPU's shared memory."""
     if GRID > 0:  # noqa: SIM102 (a constexpr test alone: without merge programs none of this compiles)
         if tl.program_id(1) >= n_splits:
             _grid_merge(O, LSE, OUT, LOUT, COUNT, tl.program_id(0), tl.program_id(1) - n_splits, n_splits,
@@ -196,6 +199,22 @@ def _decode_kernel(
             KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, s_side,
             qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
             H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, PK, PV, WP, SVT, ZDOT, MASK, TINY_CODES)
+    elif TD > 0:  # a tile of TD tokens a step: step u reads tokens (u % RD) * TD .. of block u // RD
+        RD: tl.constexpr = P // TD
+        offs_i = tl.arange(0, TD)
+        nxt, _, _, _ = _step_ids(trow, j0, j1, 1)  # (the next step's block id, loop-carried as below)
+        for u in range(j0 * RD, j1 * RD):
+            j = u // RD
+            blk = nxt.to(tl.int64)
+            nxt, _, _, _ = _step_ids(trow, (u + 1) // RD, j1, 1)
+            i_t = (u % RD) * TD + offs_i  # the tile's tokens in its page
+            s = _page_scores(KD, KC, KS, KZ, blk * H + h, 0, 1, qp, qp0, qp1, qp2, qp3, i_t, offs_d, offs_k,
+                             D, P, DK, PK, K_BITS, DOT, PREC, K16, ASM, KDT)
+            s = tl.where((j * P + i_t)[None, :] >= s_rows, s, float("-inf"))
+            m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i)
+            pv, v0, v1, v2, v3 = _page_values(VD, VC, VS, VZ, (blk * H + h) * P + i_t, i_t >= 0, p, offs_v, D, DV, PV, NG, GS, V_BITS, V16,
+                                              DOT, ASM)
+            a0, a1, a2, a3, r0, r1, r2, r3 = _acc_sealed(a0, a1, a2, a3, r0, r1, r2, r3, alpha, pv, v0, v1, v2, v3, PV, PREC, ROTATE)
     else:  # PAGES of them per iteration (more loads in flight per program): K scores per
         # page (_page_scores) joined into one [G_PAD, PAGES*P] tile whose token t is page
         # t % PAGES, row t // PAGES; V rows are loaded in that order.
@@ -834,7 +853,13 @@ TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnre
             pages=1, words=True, asm=1, merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64, side=1, side_bits=8, side_short=2, side_k16=1, side_vt=True, side_dense=32, side_apart=False, side_zdot=4, side_skip=True, side_unmasked=4, side_rows=4, side_stages=2, side_programs=16, side_tiles=True, side_tiny=True, pdl=False,
             rot_query=True, rot_out=True, shared_from=8192, shared_rows=8, shared_warps=1,
             prefill="auto", prefill_staged_from=128, prefill_rows=128, prefill_programs=1, prefill_warps=8, prefill_stages=2,
-            prefill_k16=4, prefill_v16=False, prefill_tile=0, shared_limit=0)
+            prefill_k16=4, prefill_v16=False, prefill_tile=0, loop_tile=0, shared_limit=0)
+# loop_tile: tokens of a page the 2-D decode loop (pages with a 16-bit side) reads a step, its
+# sinks and tail alike (a power of two >= 16), or 0: whole pages where they fit the device's
+# shared memory in one stage, else the largest tile (at most 128 tokens) that fits, as
+# prefill_tile's rule (`fit_tile`). fp32 queries over 16-bit pages of 256 tokens need 155,712
+# bytes in one stage (sm_89, scripts/sass_decode.py --dtype fp32): over an RTX 3090's or
+# 4090's 101,376, where tiles of 64 need 78,080.
 # shared_limit: bytes of shared memory a launch may use, where lower than the device's (0: the
 # device's). A launch whose kernel needs more takes fewer stages (`stages_that_fit`); tests set
 # it to run a consumer card's 99 KiB on the H200.
@@ -944,6 +969,55 @@ def too_big(what: str, shared: int, limit: int, smallest: str = "with one stage"
         f"{what}: the Triton kernel needs {shared} bytes of shared memory a block even {smallest}, and this GPU allows {limit}; use {advice}")
 
 
+TILE_MAX = 128  # tokens a step reads at most where a loop reads pages in tiles, unless asked for more (`page_tiles`)
+SPILL_MAX = 64  # words of local memory (spilled registers) a thread a tile's kernel may take before a smaller tile is tried
+
+
+def page_tiles(block_size: int, option: str) -> list[int]:
+    """Tokens of a page a loop step may read (TUNE[option]), largest first: the page or, past
+    TILE_MAX tokens, TILE_MAX, and their halves down to 16 (0, "auto"); or the one tile asked
+    for (a page's size or more: the whole page)."""
+    tile = TUNE[option]
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 0 or (tile and (tile < 16 or tile & (tile - 1))):
+        raise ValueError(f"TUNE[{option!r}] must be 0 (auto) or a power of two >= 16, got {tile!r}")
+    if tile:
+        return [min(tile, block_size)]
+    top = min(block_size, TILE_MAX)
+    return [top >> i for i in range(top.bit_length()) if top >> i >= 16]
+
+
+def compiled_fit(fn, grid, args, consts: dict, limit: int) -> tuple[int, int | None]:
+    """(shared memory a block, local memory words a thread) of `fn`'s kernel compiled for `args`
+    with `consts` (warmed up, not launched); the words None where the shared memory is over
+    `limit` (the binary is then not loaded: Triton refuses to load one over the device's)."""
+    kernel = fn.warmup(*args, grid=grid, **consts)
+    if kernel.metadata.shared > limit:
+        return kernel.metadata.shared, None
+    return kernel.metadata.shared, getattr(loaded(kernel), "n_spills", None) or 0
+
+
+def fit_tile(compiled, tiles: list[int], stages: int, limit: int, what: str, advice: str) -> tuple[int, int]:
+    """(tile, stages) of a loop that reads pages in tiles: the largest of `tiles`, in the most
+    stages (`stages` at most), whose kernel fits `limit` bytes of shared memory and spills at
+    most SPILL_MAX words a thread; where every one that fits spills more, the one that spills
+    least; SharedMemoryError where not even the smallest tile fits in one stage.
+    compiled(tile, stages) gives (shared bytes, local words or None where over the limit). A
+    larger tile before more stages: the prefill kernel's tiles of 32 in two stages lost 20-41 %
+    to tiles of 128 in one under a 99 KiB limit on the H200 (notes v45)."""
+    least = None  # (spills, tile, stages) of the fitting ones, the first best
+    for tile in tiles:
+        for n in range(stages, 0, -1):
+            need, spills = compiled(tile, n)
+            if spills is not None:
+                if spills <= SPILL_MAX:
+                    return tile, n
+                if least is None or spills < least[0]:
+                    least = (spills, tile, n)
+    if least is None:
+        raise too_big(what, need, limit, f"with one stage and tiles of {tiles[-1]} tokens", advice)
+    return least[1], least[2]
+
+
 def stages_that_fit(fn, grid, args, consts: dict, device_index: int, what: str) -> int:
     """num_stages for a launch of `fn` with `consts` (its constexprs and options, num_stages
     among them): theirs where the compiled kernel's shared memory fits the device
@@ -951,7 +1025,8 @@ def stages_that_fit(fn, grid, args, consts: dict, device_index: int, what: str) 
     stage; sm_86 and sm_89 cards (RTX 3090, 4090) allow 99 KiB a block and sm_80 163, where the
     H200 the stages were chosen on allows 227: pages of 256 tokens in two stages do not fit
     there. Raises SharedMemoryError, naming the sizes, where even one stage does not. `args`
-    may be a callable that gives them (built only where the choice is not cached yet)."""
+    may be a callable that gives them (built only where the choice is not cached yet). The
+    error is cached too: a kernel that does not fit is not compiled again."""
     key = fit_key(fn, device_index, consts)
     stages = _STAGES.get(key)
     if stages is None:
@@ -962,8 +1037,10 @@ def stages_that_fit(fn, grid, args, consts: dict, device_index: int, what: str) 
             if shared <= limit:
                 break
         else:
-            raise too_big(what, shared, limit)
+            stages = too_big(what, shared, limit)
         _STAGES[key] = stages
+    if isinstance(stages, SharedMemoryError):
+        raise stages
     return stages
 
 
@@ -1401,13 +1478,19 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     if TUNE["maxnreg"] and not sixteen and gpu:
         opts["maxnreg"] = TUNE["maxnreg"]  # programs_per_sm programs must fit the register file
     pages_per_step = side or _pages_per_step(fmt)
+    # the 2-D loop in tiles of a page: the one TUNE["loop_tile"] asks for, or (auto, on a GPU,
+    # `fit_stages`) the largest that fits where whole pages do not
+    tiles = [] if side else [t for t in page_tiles(fmt.block_size, "loop_tile") if t < fmt.block_size]
+    td = tiles[0] if tiles and TUNE["loop_tile"] else 0
+    if td:
+        pages_per_step = 1
     rows = max(TUNE["side_rows"] if side else 16, triton.next_power_of_2(R * G))  # (triton pads a dot's M < 16 itself)
     # values transposed, their scales folded into the fp16 probabilities (16-bit inputs only)
     svt = bool(side and TUNE["side_vt"] and half)
     # (the probe runs only where a side loop's dots would take tiny codes)
     tiny = tiny_codes_exact(q.device) if side and (k16 == 1 or svt) and TUNE["side_tiny"] else False
     consts = dict(st.consts, K16=k16, G_PAD=rows, PAGES=pages_per_step, WP=side, SVT=svt, ZDOT=svt and fmt.v_bits <= TUNE["side_zdot"],
-                  SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else 0,
+                  SKIP=bool(side) and TUNE["side_skip"] and not short, DENSE=min(TUNE["side_dense"], fmt.block_size) if side else td, TD=td,
                   MASK=not (side == 1 and start is None and max(fmt.k_bits, fmt.v_bits) <= TUNE["side_unmasked"]),
                   TINY_CODES=bool(tiny), GM=triton.next_power_of_2(G), SB=max(1, 4096 // (triton.next_power_of_2(G) * D)),
                   TAIL_DEV=view.tail_len is not None, BLOCKS_DEV=view.n_blocks is not None, R=R, **opts)
@@ -1415,7 +1498,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     # ends, and waits for it on the GPU (gdc_wait) before reading what it wrote
     pdl = dict(PDL=True, launch_pdl=True) if gpu and TUNE["pdl"] and torch.cuda.get_device_capability(device) >= (9, 0) else {}
     consts.update(pdl)
-    last = dict(side=side, k16=k16, svt=svt, zdot=consts["ZDOT"], skip=consts["SKIP"], short=short, mask=consts["MASK"], tiny=consts["TINY_CODES"])
+    last = dict(side=side, tile=td, k16=k16, svt=svt, zdot=consts["ZDOT"], skip=consts["SKIP"], short=short, mask=consts["MASK"], tiny=consts["TINY_CODES"])
 
     # the partials are unrotated: they merge as such (else `_merge_rotated` merges them)
     plain = not _rotated_partials(consts)
@@ -1459,7 +1542,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     def fit_for(splits: int) -> int:
         """Programs of the compiled kernel (its merge mode at `splits`) one SM holds (GPU)."""
         key = (device, fmt, q.dtype, KS.dtype, start is not None, view.tail_len is None, view.n_blocks is None, merge_mode(splits), stages, side,
-               R, tuple(TUNE.items()))
+               consts["TD"], R, tuple(TUNE.items()))
         fit = _FIT.get(key)
         if fit is None:  # (the in-kernel merge costs registers: 165 against 128 on triton 3.6)
             plan = plan_for(splits, warmup=True)
@@ -1468,13 +1551,23 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
         return fit
 
     def fit_stages(plan: _Plan) -> bool:
-        """Fewer stages where the plan's kernel does not fit the device's shared memory; whether
-        that changed them (plans made since take them)."""
-        nonlocal stages
-        fits = stages_that_fit(_decode_kernel, plan.grid, lambda: _decode_args(st, view, start, scale, plan)[-1], plan.consts, device,
-                               "paged_decode_triton")
-        if fits == plan.consts.get("num_stages"):
-            return False
+        """Fewer stages where the plan's kernel does not fit the device's shared memory, or
+        for the 2-D loop (TUNE["loop_tile"] auto) tiles of its pages where whole pages do not
+        fit in one stage; whether that changed them (plans made since take them)."""
+        nonlocal stages, pages_per_step
+        try:
+            fits = stages_that_fit(_decode_kernel, plan.grid, lambda: _decode_args(st, view, start, scale, plan)[-1], plan.consts, device,
+                                   "paged_decode_triton")
+        except SharedMemoryError:
+            if not tiles or TUNE["loop_tile"] or plan.consts["TD"]:
+                raise
+            tile, fits = _loop_fit(plan.grid, _decode_args(st, view, start, scale, plan)[-1], plan.consts, tiles, device)
+            consts.update(TD=tile, DENSE=tile, PAGES=1)
+            pages_per_step = 1
+            last["tile"] = tile
+        else:
+            if fits == plan.consts.get("num_stages"):
+                return False
         stages = opts["num_stages"] = consts["num_stages"] = fits
         return True
 
@@ -1492,6 +1585,30 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     # not cached while the probe is still to run (under graph capture), nor the merge grid,
     # whose shape `merge_shape` decides at each call
     return plan, tiny is not None and plan.mode != "grid"
+
+
+_LOOP_TILES: dict = {}  # the tile and stages of a 2-D loop whose whole pages do not fit, by its constexprs, tiles and dtypes
+
+
+def _loop_fit(grid, args, consts: dict, tiles: list[int], device: int) -> tuple[int, int]:
+    """(tile, stages) of a decode launch through the 2-D loop whose whole pages do not fit the
+    device's shared memory even in one stage: `fit_tile`'s choice among `tiles` (the page's
+    halves, at most TILE_MAX tokens), cached. fp32 queries over 16-bit pages of 256 tokens,
+    compiled for sm_89 (scripts/sass_decode.py --dtype fp32 --tile): whole pages 155,712 bytes
+    in one stage; tiles of 128 147,712 (the sinks' and tail's loop keeps two stages); tiles of
+    64 78,080 in one stage (364 words of local memory), of 32 43,264 in two (92 words). Not
+    timed on a card with that limit."""
+    key = (fit_key(_decode_kernel, device, consts), tuple(tiles), tuple(getattr(a, "dtype", None) for a in args))
+    fit = _LOOP_TILES.get(key)
+    if fit is None:
+        limit = shared_limit(device)
+
+        def compiled(tile: int, stages: int):
+            return compiled_fit(_decode_kernel, grid, args, dict(consts, TD=tile, DENSE=tile, PAGES=1, num_stages=stages), limit)
+
+        fit = _LOOP_TILES[key] = fit_tile(compiled, tiles, consts.get("num_stages") or 3, limit, "paged_decode_triton",
+                                          "smaller blocks (KVConfig's block_size), 16-bit inputs, or backend='reference'")
+    return fit
 
 
 def merge_shape(B: int, Hq: int, D: int, sm: int, splits: int) -> dict:
