@@ -399,7 +399,7 @@ def test_2d_loop_in_tiles_of_a_page_within_budget(i, dtype, monkeypatch):
 
 def test_loop_tile_option(monkeypatch):
     """TUNE["loop_tile"]: 0 reads whole pages; a tile of a page's size or more, too; anything
-    else than a power of two >= 16 is refused."""
+    else than a power of two >= 16 is refused. The tiles the auto choice may fall back to."""
     case = (1, 300, 4, 2, 64, 64, dict(bits=16), False, 2)
     monkeypatch.setattr(K, "_PLANS", {})
     for tile in (0, 64, 256):
@@ -410,6 +410,11 @@ def test_loop_tile_option(monkeypatch):
         monkeypatch.setitem(TUNE, "loop_tile", bad)
         with pytest.raises(ValueError, match="loop_tile"):
             _within_budget(case, torch.float32)
+    # the tiles a fallback may take (auto: at most 64 tokens; tiles of 128 ran 24 % slower on the H200)
+    monkeypatch.setitem(TUNE, "loop_tile", 0)
+    assert K.loop_tiles(256) == [64, 32, 16] and K.loop_tiles(128) == [64, 32, 16] and K.loop_tiles(64) == [32, 16] and K.loop_tiles(16) == []
+    monkeypatch.setitem(TUNE, "loop_tile", 128)
+    assert K.loop_tiles(256) == [128] and K.loop_tiles(128) == []
 
 
 def test_2d_loop_takes_tiles_where_whole_pages_do_not_fit(monkeypatch):

@@ -856,8 +856,8 @@ TUNE = dict(num_warps=4, num_stages=3, short_stages=2, programs_per_sm=4, maxnre
             prefill_k16=4, prefill_v16=False, prefill_tile=0, loop_tile=0, shared_limit=0)
 # loop_tile: tokens of a page the 2-D decode loop (pages with a 16-bit side) reads a step, its
 # sinks and tail alike (a power of two >= 16), or 0: whole pages where they fit the device's
-# shared memory in one stage, else the largest tile (at most 128 tokens) that fits, as
-# prefill_tile's rule (`fit_tile`). fp32 queries over 16-bit pages of 256 tokens need 155,712
+# shared memory in one stage, else the largest tile (at most 64 tokens, `loop_tiles`) that
+# fits, by prefill_tile's rule (`fit_tile`). fp32 queries over 16-bit pages of 256 tokens need 155,712
 # bytes in one stage (sm_89, scripts/sass_decode.py --dtype fp32): over an RTX 3090's or
 # 4090's 101,376, where tiles of 64 need 78,080.
 # shared_limit: bytes of shared memory a launch may use, where lower than the device's (0: the
@@ -1480,7 +1480,7 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     pages_per_step = side or _pages_per_step(fmt)
     # the 2-D loop in tiles of a page: the one TUNE["loop_tile"] asks for, or (auto, on a GPU,
     # `fit_stages`) the largest that fits where whole pages do not
-    tiles = [] if side else [t for t in page_tiles(fmt.block_size, "loop_tile") if t < fmt.block_size]
+    tiles = [] if side else loop_tiles(fmt.block_size)
     td = tiles[0] if tiles and TUNE["loop_tile"] else 0
     if td:
         pages_per_step = 1
@@ -1587,13 +1587,27 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     return plan, tiny is not None and plan.mode != "grid"
 
 
+LOOP_TILE_MAX = 64  # tokens a tile of the 2-D loop's auto choice at most (`loop_tiles`)
+
+
+def loop_tiles(block_size: int) -> list[int]:
+    """Tiles of a page the 2-D decode loop may read, largest first, none of them the whole page:
+    TUNE["loop_tile"]'s where set (none where that is a page or more), else the page's halves
+    of at most LOOP_TILE_MAX tokens down to 16. At most 64: bf16 queries over 16-bit pages of
+    256 tokens, the bench's call on the H200 (scripts/bench_ab.py, notes v46), 128k 129.4 /
+    160.9 / 129.9 us and batch 8 at 32k 247.6 / 310.4 / 248.9 with whole pages / tiles of 128 /
+    tiles of 64."""
+    asked = TUNE["loop_tile"]
+    return [t for t in page_tiles(block_size, "loop_tile") if t < block_size and (asked or t <= LOOP_TILE_MAX)]
+
+
 _LOOP_TILES: dict = {}  # the tile and stages of a 2-D loop whose whole pages do not fit, by its constexprs, tiles and dtypes
 
 
 def _loop_fit(grid, args, consts: dict, tiles: list[int], device: int) -> tuple[int, int]:
     """(tile, stages) of a decode launch through the 2-D loop whose whole pages do not fit the
-    device's shared memory even in one stage: `fit_tile`'s choice among `tiles` (the page's
-    halves, at most TILE_MAX tokens), cached. fp32 queries over 16-bit pages of 256 tokens,
+    device's shared memory even in one stage: `fit_tile`'s choice among `tiles` (`loop_tiles`),
+    cached. fp32 queries over 16-bit pages of 256 tokens,
     compiled for sm_89 (scripts/sass_decode.py --dtype fp32 --tile): whole pages 155,712 bytes
     in one stage; tiles of 128 147,712 (the sinks' and tail's loop keeps two stages); tiles of
     64 78,080 in one stage (364 words of local memory), of 32 43,264 in two (92 words). Not
