@@ -54,8 +54,8 @@ def compile_decode(a):
     const = dict(H=a.kv_heads, G=G, G_PAD=max(a.g_pad, gm), D=a.head_dim, P=a.block_size, K_BITS=a.bits, V_BITS=a.v_bits or a.bits, GS=a.group_size,
                  ROTATE=a.rotate, HAS_START=False, DOT=dot, PREC="tf32" if half else "ieee", K16=a.k16 if half else 0, V16=a.v16 if half else 0, KDT=tl.bfloat16 if a.bits <= 4 else tl.float16, PAGES=a.pages,
                  WORDS=a.words, ASM=a.asm, MERGE=a.merge == "kernel", GM=gm, SB=max(1, 4096 // (gm * a.head_dim)),
-                 PK=K._per(a.bits, a.words), PV=K._per(a.v_bits or a.bits, a.words), WP=a.wp, TD=a.tile if a.tile < a.block_size and not a.prefill else 0, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else a.tile if a.tile < a.block_size and not a.prefill else 0,  # (the 2-D loop in tiles: its sinks and tail too)
-                
+                 PK=K._per(a.bits, a.words), PV=K._per(a.v_bits or a.bits, a.words), WP=a.wp, TD=a.tile if a.tile < a.block_size and not a.prefill else 0, SVT=bool(a.svt), ZDOT=bool(a.svt and a.zdot), DENSE=min(a.dense, a.block_size) if a.wp else a.tile if a.tile < a.block_size and not a.prefill else 0,
+                 # (the 2-D loop in tiles: its sinks and tail take the same tile)
                  SKIP=bool(a.skip), STAMPS=None, TINY_CODES=bool(a.tiny and a.wp), PDL=bool(a.pdl), TREE=a.tree if a.merge == "kernel" else 0, MASK=bool(a.mask) if a.mask is not None else not (a.wp == 1 and a.bits <= K.TUNE["side_unmasked"]))
     const.update(GRID=0, S_PAD=0, SC=0, BD=0, TAIL_DEV=False, BLOCKS_DEV=False, R=a.rows, ROT_Q=a.rotate and bool(a.rot_query),
                  ROT_O=a.rotate and bool(a.rot_out), INV_SQRT_D=K.hadamard_scale(a.head_dim) if a.rotate else 1.0, PTX=True)  # (host lengths, as eager calls pass them)
