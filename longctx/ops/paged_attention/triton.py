@@ -955,12 +955,6 @@ def fit_key(fn, device_index: int, consts: dict) -> tuple:
     return (fn, device_index, TUNE["shared_limit"], repr(sorted(consts.items())))
 
 
-def shared_bytes(fn, grid, args, consts: dict) -> int:
-    """Shared memory a block of `fn`'s kernel takes, compiled (warmed up, not launched) for
-    `args` with `consts` (its constexprs and options)."""
-    return fn.warmup(*args, grid=grid, **consts).metadata.shared
-
-
 def too_big(what: str, shared: int, limit: int, smallest: str = "with one stage",
             advice: str = "smaller blocks (KVConfig's block_size), 16-bit inputs, or backend='reference'") -> SharedMemoryError:
     """The error of a launch whose kernel does not fit the device's shared memory even in its
@@ -1033,7 +1027,7 @@ def stages_that_fit(fn, grid, args, consts: dict, device_index: int, what: str) 
         limit = shared_limit(device_index)
         args = args() if callable(args) else args
         for stages in range(consts.get("num_stages") or 3, 0, -1):
-            shared = shared_bytes(fn, grid, args, dict(consts, num_stages=stages))
+            shared = fn.warmup(*args, grid=grid, **dict(consts, num_stages=stages)).metadata.shared  # (compiled, not launched)
             if shared <= limit:
                 break
         else:
