@@ -410,6 +410,8 @@ def test_loop_tile_option(monkeypatch):
         monkeypatch.setitem(TUNE, "loop_tile", bad)
         with pytest.raises(ValueError, match="loop_tile"):
             _within_budget(case, torch.float32)
+        with pytest.raises(ValueError, match="loop_tile"):  # (refused for pages the side loop takes too)
+            _within_budget((1, 300, 4, 2, 64, 64, dict(bits=4), False, 2), torch.float32)
     # the tiles a fallback may take (auto: at most 64 tokens; tiles of 128 ran 24 % slower on the H200)
     monkeypatch.setitem(TUNE, "loop_tile", 0)
     assert K.loop_tiles(256) == [64, 32, 16] and K.loop_tiles(128) == [64, 32, 16] and K.loop_tiles(64) == [32, 16] and K.loop_tiles(16) == []

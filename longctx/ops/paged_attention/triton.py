@@ -1474,7 +1474,9 @@ def _decode_plan(st: _Setup, view: PagedView, start, scale, splits: int | None, 
     pages_per_step = side or _pages_per_step(fmt)
     # the 2-D loop in tiles of a page: the one TUNE["loop_tile"] asks for, or (auto, on a GPU,
     # `fit_stages`) the largest that fits where whole pages do not
-    tiles = [] if side else loop_tiles(fmt.block_size)
+    tiles = loop_tiles(fmt.block_size)  # (checks TUNE["loop_tile"] whichever loop the pages take)
+    if side:
+        tiles = []
     td = tiles[0] if tiles and TUNE["loop_tile"] else 0
     if td:
         pages_per_step = 1
