@@ -144,51 +144,59 @@ def bench_decode(
     device: str = "cuda",
     progress=None,
     graph: bool = False,
+    cases=None,
 ) -> list[DecodeRow]:
-    """Per-layer decode latency of each format and peer, for every (context, batch).
+    """Per-layer decode latency of each format and peer, for every (context, batch), or for
+    each (context, batch) pair of `cases` in turn when given (instead of the cross product:
+    e.g. batch 1 at 128k and 512k with batch 8 at 32k in one process).
     graph=True times CUDA-graph replays of every kernel, peers included (no launch overhead)."""
     import torch.nn.functional as F
 
     from .ops.gather_dequant import gather_dequant
     from .ops.paged_attention import paged_attention
 
+    pairs = [(int(T), int(B)) for T, B in cases] if cases is not None else [(T, B) for B in batches for T in contexts]
+    if not pairs:
+        raise ValueError("bench decode needs at least one context and batch")
+    for T, B in pairs:
+        if T < 1 or B < 1:
+            raise ValueError(f"contexts and batch sizes must be at least 1, got context {T} at batch {B}")
     cfgs, Hq, H, D = _setup("decode", formats, block_size, shape)
     timer = _time_graph if graph else _time
     rows: list[DecodeRow] = []
-    for B in batches:
-        for T in contexts:
-            q = torch.randn(B, Hq, 1, D, device=device, dtype=torch.bfloat16)
-            case: list[DecodeRow] = []
-            dense_bytes = 2 * B * T * H * D * 2
-            if peers:
-                L = _copies(dense_bytes)
-                kvs = [(torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16), torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16)) for _ in range(L)]
-                ms = timer(lambda i: F.scaled_dot_product_attention(q, kvs[i][0], kvs[i][1], enable_gqa=True), L, reps)
-                case.append(DecodeRow("SDPA dense bf16", T, B, ms, dense_bytes))
-                del kvs
-                if not graph:
-                    case.append(_flex_row(q, B, T, H, D, block_size, reps))
-            for name, cfg in cfgs.items():
-                one = synthetic_view(B, T, H, D, cfg, device)
-                L = _copies(view_bytes(one))
-                views = [one] + [synthetic_view(B, T, H, D, cfg, device, seed=i) for i in range(1, L)]
-                ms = timer(lambda i: paged_attention(q, views[i], backend="triton", return_lse=False), L, reps)
-                case.append(DecodeRow(f"longctx {cfg.describe()}", T, B, ms, view_bytes(one)))
-                if peers and name == "int4":
-                    def deq_all(i):
-                        k, v = gather_dequant(views[i], out_dtype=torch.bfloat16)
-                        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    for T, B in pairs:
+        q = torch.randn(B, Hq, 1, D, device=device, dtype=torch.bfloat16)
+        case: list[DecodeRow] = []
+        dense_bytes = 2 * B * T * H * D * 2
+        if peers:
+            L = _copies(dense_bytes)
+            kvs = [(torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16), torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16)) for _ in range(L)]
+            ms = timer(lambda i: F.scaled_dot_product_attention(q, kvs[i][0], kvs[i][1], enable_gqa=True), L, reps)
+            case.append(DecodeRow("SDPA dense bf16", T, B, ms, dense_bytes))
+            del kvs
+            if not graph:
+                case.append(_flex_row(q, B, T, H, D, block_size, reps))
+        for name, cfg in cfgs.items():
+            one = synthetic_view(B, T, H, D, cfg, device)
+            L = _copies(view_bytes(one))
+            views = [one] + [synthetic_view(B, T, H, D, cfg, device, seed=i) for i in range(1, L)]
+            ms = timer(lambda i: paged_attention(q, views[i], backend="triton", return_lse=False), L, reps)
+            case.append(DecodeRow(f"longctx {cfg.describe()}", T, B, ms, view_bytes(one)))
+            if peers and name == "int4":
+                def deq_all(i):
+                    k, v = gather_dequant(views[i], out_dtype=torch.bfloat16)
+                    F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-                    ms = timer(deq_all, L, max(3, reps // 4))
-                    case.append(DecodeRow("dequantize-all then SDPA (int4)", T, B, ms, view_bytes(one)))
-                del views, one
-                torch.cuda.empty_cache()
-            base = next((r.ms for r in case if r.name == "SDPA dense bf16"), float("nan"))
-            for r in case:
-                r.ratio_to_sdpa = base / r.ms
-            rows.extend(case)
-            if progress is not None:
-                progress(case)
+                ms = timer(deq_all, L, max(3, reps // 4))
+                case.append(DecodeRow("dequantize-all then SDPA (int4)", T, B, ms, view_bytes(one)))
+            del views, one
+            torch.cuda.empty_cache()
+        base = next((r.ms for r in case if r.name == "SDPA dense bf16"), float("nan"))
+        for r in case:
+            r.ratio_to_sdpa = base / r.ms
+        rows.extend(case)
+        if progress is not None:
+            progress(case)
     return rows
 
 

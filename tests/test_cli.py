@@ -48,6 +48,8 @@ def one_line_error(r, args):
 
 def test_known_errors_are_one_line_with_exit_code_2():
     cases = [["eval", "quality", "--formats", "int9"], ["bench", "decode", "--contexts", "4x"], ["bench", "decode", "--formats", "int5"],
+             ["bench", "decode", "--cases", "4k-1"], ["bench", "decode", "--cases", "4k:1", "--batch", "8"], ["bench", "decode", "--cases", "4k:0"],
+             ["bench", "decode", "--contexts", "0"],
              ["bench", "e2e", "--formats", "int5"], ["bench", "prefill", "--formats", "int5"], ["bench", "prefill", "--paths", "fast"],
              ["bench", "prefill", "--chunks", "1"], ["bench", "seal", "--formats", "int5"], ["bench", "seal", "--layers", "0"],
              ["bench", "seal", "--context", "0"]]
@@ -59,6 +61,15 @@ def test_known_errors_are_one_line_with_exit_code_2():
             assert "pip install optimum-quanto" in line, line
         if args[:2] == ["bench", "seal"] and args[2] in ("--layers", "--context"):  # checked before the CUDA check
             assert f"{args[2][2:]} must be at least 1" in line, line
+
+
+def test_bench_decode_cases_parse_into_context_batch_pairs():
+    from longctx.cli.bench import _pairs
+
+    assert _pairs("4k:1, 128k:1,512k:1,32k:8") == [(4096, 1), (131072, 1), (524288, 1), (32768, 8)]
+    for bad in ("4k", "4k:", ":8", "4k:1,", "4k:1:2"):
+        with pytest.raises(ValueError, match="bad case|bad size"):
+            _pairs(bad)
 
 
 def test_main_entry_point_exits_2_on_known_errors():

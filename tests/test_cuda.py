@@ -319,6 +319,22 @@ def test_bench_e2e_times_graph_decoding():
     assert rows[1].compile_s > 0 and all(r.compile_s != r.compile_s for r in rows if r is not rows[1])  # nan elsewhere
 
 
+def test_bench_decode_runs_the_cases_given():
+    """`bench decode` with (context, batch) cases: each pair alone, in the given order, each
+    with its SDPA row as the base of its ratios, and no cross product."""
+    from longctx.bench import bench_decode
+
+    rows = bench_decode(formats=("int4",), shape="smollm2-135m", reps=3, graph=True, cases=[(4096, 1), (1024, 2)])
+    assert [(r.name, r.context, r.batch) for r in rows] == [
+        (name, T, B) for T, B in [(4096, 1), (1024, 2)]
+        for name in ("SDPA dense bf16", "longctx int4", "dequantize-all then SDPA (int4)")]
+    for r in rows:
+        assert 0 < r.ms < 1e3 and r.ratio_to_sdpa > 0
+    assert rows[0].ratio_to_sdpa == 1 and rows[3].ratio_to_sdpa == 1
+    rows = bench_decode(contexts=(1024, 2048), batches=(1, 2), formats=("int8",), shape="smollm2-135m", reps=3, peers=False)
+    assert [(r.context, r.batch) for r in rows] == [(1024, 1), (2048, 1), (1024, 2), (2048, 2)]
+
+
 def test_bench_seal_steps_through_every_layer(monkeypatch):
     """`bench seal` at a small size: a step appends and attends in every layer (the shape's
     30 for SmolLM2 by default), and the timed steps seal once every block_size steps, every

@@ -29,10 +29,22 @@ def _sizes(text: str) -> list[int]:
     return out
 
 
+def _pairs(text: str) -> list[tuple[int, int]]:
+    """"128k:1, 32k:8" -> [(131072, 1), (32768, 8)]."""
+    out = []
+    for part in text.split(","):
+        context, sep, batch = part.partition(":")
+        if not sep or not context.strip() or not batch.strip():
+            raise ValueError(f"bad case {part.strip()!r}: use CONTEXT:BATCH like 128k:1")
+        out.append((_sizes(context)[0], _sizes(batch)[0]))
+    return out
+
+
 @app.command()
 def decode(
-    contexts: str = typer.Option("4k,32k,128k,512k", help="context lengths, e.g. 4k,32k,128k"),
-    batch: str = typer.Option("1", help="batch sizes, e.g. 1,8"),
+    contexts: str = typer.Option(None, help="context lengths, e.g. 4k,32k,128k (default 4k,32k,128k,512k)"),
+    batch: str = typer.Option(None, help="batch sizes, e.g. 1,8; each context runs at each (default 1)"),
+    cases: str = typer.Option(None, help="CONTEXT:BATCH pairs instead of --contexts x --batch, e.g. 4k:1,128k:1,512k:1,32k:8"),
     formats: str = typer.Option("int4,int8,bf16", help="longctx formats: bf16,int8,k8v4,int4,int4+rot,int2"),
     shape: str = typer.Option("llama-3-8b", help="model shape: llama-3-8b or smollm2-135m"),
     block_size: int = typer.Option(64, help="tokens per page"),
@@ -47,6 +59,10 @@ def decode(
     """
     from ..bench import bench_decode
 
+    if cases is not None and (contexts is not None or batch is not None):
+        raise ValueError("give --cases or --contexts/--batch, not both")
+    pairs = _pairs(cases) if cases is not None else None
+
     console = Console()
 
     def show(case):
@@ -55,7 +71,8 @@ def decode(
 
     if plot is not None:
         _need_matplotlib()
-    rows = bench_decode(_sizes(contexts), _sizes(batch), _names(formats), shape, block_size, not no_peers, progress=show, graph=graph)
+    rows = bench_decode(_sizes(contexts or "4k,32k,128k,512k"), _sizes(batch or "1"), _names(formats), shape, block_size, not no_peers,
+                        progress=show, graph=graph, cases=pairs)
     table = Table(title=f"Decode attention per layer ({shape}), median{', CUDA-graph replays' if graph else ''}")
     for col in ("kernel", "context", "batch", "ms", "TB/s", "vs SDPA bf16"):
         table.add_column(col, justify="left" if col == "kernel" else "right")
