@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from longctx.cli import app
@@ -173,6 +174,26 @@ def test_chat_bad_inputs_are_one_line_errors(tmp_path):
     for args in (["chat", "--kv-bits", "3", "--prompt", "x"], ["chat", "--file", str(tmp_path / "missing.txt")],
                  ["chat", "--model", str(tmp_path / "none.gguf"), "--prompt", "x"], ["chat", "--device", "tpu"]):
         one_line_error(runner.invoke(app, args), args)
+
+
+@pytest.mark.parametrize("fmt", [dict(bits=4), dict(bits=16), dict(k_bits=8, v_bits=4, rotate=True)])
+def test_bench_copies_of_a_view_hold_its_values_in_their_own_memory(fmt):
+    """The bench times a view's copies in turn to defeat the L2 cache: each must hold the same
+    pages, sinks, table and tail, in memory of its own."""
+    from longctx import KVConfig
+    from longctx.bench import copy_view, synthetic_view, view_bytes
+    from longctx.ops.paged_attention import paged_attention
+
+    one = synthetic_view(2, 300, 2, 64, KVConfig(block_size=16, **fmt), "cpu")
+    two = copy_view(one)
+    a = {**one.pages.tensors(), "sink_k": one.sink_k, "sink_v": one.sink_v, "table": one.block_table, "tail_k": one.tail_k, "tail_v": one.tail_v}
+    b = {**two.pages.tensors(), "sink_k": two.sink_k, "sink_v": two.sink_v, "table": two.block_table, "tail_k": two.tail_k, "tail_v": two.tail_v}
+    assert a.keys() == b.keys() and len(a) >= 7
+    for name in a:
+        assert torch.equal(a[name], b[name]) and a[name].data_ptr() != b[name].data_ptr(), name
+    assert (two.n_sink, two.pages.fmt, view_bytes(two)) == (one.n_sink, one.pages.fmt, view_bytes(one))
+    q = torch.randn(2, 6, 1, 64, dtype=torch.bfloat16)
+    assert torch.equal(paged_attention(q, two, backend="reference")[0], paged_attention(q, one, backend="reference")[0])
 
 
 def test_sealing_share_spreads_the_sealing_steps_excess_over_a_block():
