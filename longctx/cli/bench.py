@@ -71,8 +71,8 @@ def decode(
 
     if plot is not None:
         _need_matplotlib()
-    rows = bench_decode(_sizes("4k,32k,128k,512k" if contexts is None else contexts), _sizes("1" if batch is None else batch), _names(formats), shape, block_size, not no_peers,
-                        progress=show, graph=graph, cases=pairs)
+    contexts_, batches = _sizes("4k,32k,128k,512k" if contexts is None else contexts), _sizes("1" if batch is None else batch)
+    rows = bench_decode(contexts_, batches, _names(formats), shape, block_size, not no_peers, progress=show, graph=graph, cases=pairs)
     table = Table(title=f"Decode attention per layer ({shape}), median{', CUDA-graph replays' if graph else ''}")
     for col in ("kernel", "context", "batch", "ms", "TB/s", "vs SDPA bf16"):
         table.add_column(col, justify="left" if col == "kernel" else "right")
