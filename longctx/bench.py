@@ -251,15 +251,21 @@ def _config(name: str, block_size: int) -> KVConfig:
     return KVConfig(**_FORMATS[name], block_size=block_size)
 
 
-def _setup(bench: str, formats, block_size: int, shape: str = "llama-3-8b") -> tuple[dict[str, KVConfig], int, int, int]:
-    """Every bench's start: the formats' configs (bad names fail before anything is built),
-    a CUDA check, and the shape's (query heads, KV heads, head_dim)."""
+def bench_configs(formats, block_size: int = 64, shape: str = "llama-3-8b") -> tuple[dict[str, KVConfig], dict[str, int]]:
+    """The formats' configs by name and the shape's dimensions, checked (bad names fail here,
+    before anything is built): what a bench runs with, and what `--print-config` shows."""
     cfgs = {name: _config(name, block_size) for name in formats}
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    return cfgs, SHAPES[shape]
+
+
+def _setup(bench: str, formats, block_size: int, shape: str = "llama-3-8b") -> tuple[dict[str, KVConfig], int, int, int]:
+    """Every bench's start: the formats' configs, a CUDA check, and the shape's (query heads,
+    KV heads, head_dim)."""
+    cfgs, dims = bench_configs(formats, block_size, shape)
     if not torch.cuda.is_available():
         raise BackendUnavailableError(f"bench {bench} needs a CUDA GPU; this machine has none")
-    dims = SHAPES[shape]
     return cfgs, dims["heads"], dims["kv_heads"], dims["head_dim"]
 
 

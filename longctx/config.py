@@ -10,6 +10,7 @@ model's shapes (`group_size` divides `head_dim`, rotation needs a power-of-two `
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 ALLOWED_BITS = (16, 8, 4, 2)
@@ -140,3 +141,26 @@ class KVConfig:
         if self.rotate:
             name += "+rot"
         return name
+
+
+def config_yaml(**sections) -> str:
+    """The configuration a command runs with, as YAML (`longctx ... --print-config`): each
+    keyword is a section holding a config dataclass, a dict or list of them, or plain values.
+    A dataclass's section holds its fields, so `KVConfig(**yaml.safe_load(text)["kv"])` builds
+    the same config again (`tests/test_config.py`)."""
+    import yaml
+
+    def plain(x):
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, dict):
+            return {str(k): plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        if isinstance(x, os.PathLike):
+            return os.fspath(x)
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        return str(x)
+
+    return yaml.safe_dump(plain(sections), sort_keys=False, default_flow_style=None, width=100)

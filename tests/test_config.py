@@ -67,3 +67,18 @@ def test_resolve_checks_model_dependent_fields():
 def test_frozen():
     with pytest.raises(Exception):
         KVConfig().bits = 8
+
+
+def test_config_yaml_builds_the_same_config_again(tmp_path):
+    import yaml
+
+    from longctx.config import config_yaml
+
+    kv = KVConfig(bits=4, k_bits=8, block_size=16, group_size=32, layers_16bit=[3, 1], rotate=True, max_blocks=7, backend="reference")
+    text = config_yaml(kv=kv, formats={"int8": KVConfig(bits=8)}, cases=[(4096, 1), (32768, 8)], file=tmp_path / "doc.txt",
+                       dtype=complex(1, 2), none=None)
+    data = yaml.safe_load(text)
+    assert KVConfig(**data["kv"]) == kv and KVConfig(**data["formats"]["int8"]) == KVConfig(bits=8)
+    assert data["kv"]["layers_16bit"] == [1, 3] and data["cases"] == [[4096, 1], [32768, 8]]
+    assert data["file"] == str(tmp_path / "doc.txt") and data["dtype"] == "(1+2j)" and data["none"] is None
+    assert list(data) == ["kv", "formats", "cases", "file", "dtype", "none"]  # in the order given
