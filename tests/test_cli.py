@@ -73,6 +73,47 @@ def test_bench_decode_cases_parse_into_context_batch_pairs():
             _pairs(bad)
 
 
+def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeypatch):
+    """`--print-config`: the command's configuration as YAML, exit 0, before a model loads or a
+    GPU is asked for (this machine has none); the KV configs build the same configs again."""
+    import yaml
+
+    import longctx.models
+    from longctx import KVConfig
+
+    def no_model(*a, **k):
+        raise AssertionError("--print-config loaded a model")
+
+    monkeypatch.setattr(longctx.models, "load_model", no_model)
+    cases = {
+        ("chat", "--kv-bits", "2", "--rotate", "--max-context", "1000", "--temperature", "0"): ["model", "kv", "sampling", "chat"],
+        ("eval", "quality", "--formats", "int4,int2+rot"): ["eval", "model", "formats", "text", "chunk", "quanto", "device"],
+        ("eval", "passkey", "--depths", "0.5"): ["eval", "model", "formats", "tokens", "depths", "device"],
+        ("bench", "decode", "--cases", "128k:1,32k:8", "--formats", "int8"): ["bench", "shape", "formats", "cases", "graph", "peers"],
+        ("bench", "prefill",): ["bench", "shape", "formats", "contexts", "chunks", "paths"],
+        ("bench", "seal", "--shape", "smollm2-135m"): ["bench", "shape", "formats", "context", "layers"],
+        ("bench", "e2e", "--layers", "2"): ["bench", "shape", "formats", "context", "new_tokens", "chunk", "graphs", "compiled"],
+        ("plan", "--gpu", "rtx-3090", "--kv-bits", "4"): ["model", "gpu", "weights_bits", "kv_bits", "batch", "block_size",
+                                                        "prefill_chunk", "offload_gib"],
+    }
+    for args, sections in cases.items():
+        r = runner.invoke(app, [*args, "--print-config"])
+        assert r.exit_code == 0, (args, r.output)
+        data = yaml.safe_load(r.stdout)
+        assert list(data) == sections, (args, list(data))
+    chat = yaml.safe_load(runner.invoke(app, ["chat", "--kv-bits", "2", "--rotate", "--max-context", "1000", "--print-config"]).stdout)
+    assert KVConfig(**chat["kv"]) == KVConfig(bits=2, rotate=True, max_blocks=16) and chat["chat"]["max_context"] == 1000
+    decode = yaml.safe_load(runner.invoke(app, ["bench", "decode", "--cases", "128k:1,32k:8", "--formats", "int8", "--print-config"]).stdout)
+    assert decode["cases"] == [[131072, 1], [32768, 8]] and decode["shape"]["kv_heads"] == 8
+    assert KVConfig(**decode["formats"]["int8"]) == KVConfig(bits=8, group_size=128)  # resolved at the bench's head_dim
+    seal = yaml.safe_load(runner.invoke(app, ["bench", "seal", "--shape", "smollm2-135m", "--print-config"]).stdout)
+    assert seal["layers"] == 30 and seal["formats"]["int4"]["group_size"] == 64
+    quality = yaml.safe_load(runner.invoke(app, ["eval", "quality", "--formats", "int4,int2+rot", "--print-config"]).stdout)
+    assert KVConfig(**quality["formats"]["int2+rot"]) == KVConfig(bits=2, rotate=True, block_size=16)
+    assert yaml.safe_load(runner.invoke(app, ["plan", "--gpu", "rtx-3090", "--print-config"]).stdout)["gpu"]["name"] == "rtx-3090"
+    one_line_error(runner.invoke(app, ["chat", "--kv-bits", "3", "--print-config"]), ["chat", "--kv-bits", "3"])  # still checked
+
+
 def test_main_entry_point_exits_2_on_known_errors():
     p = subprocess.run([sys.executable, "-m", "longctx", "plan", "--gpu", "rtx-4009"], capture_output=True, text=True, check=False)
     assert p.returncode == 2 and p.stderr.strip().startswith("error: unknown GPU") and "\n" not in p.stderr.strip()

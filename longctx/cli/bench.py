@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .options import print_config, print_config_option
+
 app = typer.Typer(help="Measure speed on a GPU (same-process peers, ratios to SDPA dense bf16).", no_args_is_help=True)
 
 
@@ -27,6 +29,11 @@ def _sizes(text: str) -> list[int]:
         except ValueError:
             raise ValueError(f"bad size {part!r}: use numbers like 4096 or 32k") from None
     return out
+
+
+def _resolved(cfgs: dict, dims: dict) -> dict:
+    """The formats' configs as the bench's shape resolves them (group_size filled in)."""
+    return {name: cfg.resolve(dims["layers"], dims["head_dim"]) for name, cfg in cfgs.items()}
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:
@@ -52,16 +59,22 @@ def decode(
     as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
     graph: bool = typer.Option(False, "--graph", help="time CUDA-graph replays (GPU time without launch overhead), peers too"),
     plot: Path = typer.Option(None, "--plot", help="also draw time per context to this PNG (needs matplotlib)"),
+    show_config: bool = print_config_option(),
 ) -> None:
     """Per-layer decode attention time, effective bandwidth and ratio to SDPA dense bf16.
 
     Example: longctx bench decode --contexts 4k,128k --batch 1,8 --formats int4,int8 --graph
     """
-    from ..bench import bench_decode
+    from ..bench import bench_configs, bench_decode
 
     if cases is not None and (contexts is not None or batch is not None):
         raise ValueError("give --cases or --contexts/--batch, not both")
     pairs = _pairs(cases) if cases is not None else None
+    contexts_, batches = _sizes("4k,32k,128k,512k" if contexts is None else contexts), _sizes("1" if batch is None else batch)
+    if show_config:
+        cfgs, dims = bench_configs(_names(formats), block_size, shape)
+        return print_config(bench="decode", shape={"name": shape, **dims}, formats=_resolved(cfgs, dims),
+                            cases=pairs if pairs is not None else [(T, B) for B in batches for T in contexts_], graph=graph, peers=not no_peers)
 
     console = Console()
 
@@ -71,7 +84,6 @@ def decode(
 
     if plot is not None:
         _need_matplotlib()
-    contexts_, batches = _sizes("4k,32k,128k,512k" if contexts is None else contexts), _sizes("1" if batch is None else batch)
     rows = bench_decode(contexts_, batches, _names(formats), shape, block_size, not no_peers, progress=show, graph=graph, cases=pairs)
     table = Table(title=f"Decode attention per layer ({shape}), median{', CUDA-graph replays' if graph else ''}")
     for col in ("kernel", "context", "batch", "ms", "TB/s", "vs SDPA bf16"):
@@ -120,13 +132,18 @@ def prefill(
     shape: str = typer.Option("llama-3-8b", help="model shape: llama-3-8b or smollm2-135m"),
     block_size: int = typer.Option(64, help="tokens per page"),
     as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
+    show_config: bool = print_config_option(),
 ) -> None:
     """Per-layer time of a prompt's last prefill chunk, by each path (sealing included) vs SDPA (flash) over dense bf16.
 
     Example: longctx bench prefill --contexts 32k,128k --chunks 512,16k
     """
-    from ..bench import bench_prefill
+    from ..bench import bench_configs, bench_prefill
 
+    if show_config:
+        cfgs, dims = bench_configs(_names(formats), block_size, shape)
+        return print_config(bench="prefill", shape={"name": shape, **dims}, formats=_resolved(cfgs, dims), contexts=_sizes(contexts), chunks=_sizes(chunks),
+                            paths=_names(paths))
     rows = bench_prefill(_sizes(contexts), _sizes(chunks), _names(formats), shape, block_size, paths=_names(paths))
     table = Table(title=f"Prefill chunk per layer ({shape}), median")
     for col in ("kernel", "context", "chunk", "ms", "tokens/s", "vs SDPA bf16"):
@@ -146,6 +163,7 @@ def seal(
     layers: int = typer.Option(None, help="layers a step runs (default: the shape's, 32 for llama-3-8b); 1 charges a seal's per-step host work to one layer"),
     block_size: int = typer.Option(64, help="tokens per page"),
     as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
+    show_config: bool = print_config_option(),
 ) -> None:
     """What sealing adds to a decode step (append one token and attend in every layer of a real
     cache, one seal of every layer every block_size steps), and what appending adds to attention.
@@ -157,8 +175,12 @@ def seal(
 
     Example: longctx bench seal --context 128k --formats int4,int8
     """
-    from ..bench import bench_seal
+    from ..bench import bench_configs, bench_seal
 
+    if show_config:
+        cfgs, dims = bench_configs(_names(formats), block_size, shape)
+        return print_config(bench="seal", shape={"name": shape, **dims}, formats=_resolved(cfgs, dims), context=_sizes(context)[0],
+                            layers=dims["layers"] if layers is None else layers)
     rows = bench_seal(_sizes(context)[0], _names(formats), shape, block_size=block_size, layers=layers)
     L = rows[0].layers if rows else layers
     table = Table(title=f"Decode step ({shape}, {L} layers): append + attend, with one seal every {block_size} steps")
@@ -183,6 +205,7 @@ def e2e(
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="also time LongCtxCache's decode from CUDA graphs (a row each)"),
     compiled: bool = typer.Option(True, "--compiled/--no-compiled",
                                   help="also time StaticCache + torch.compile(mode='reduce-overhead'), the strongest stock decode (compiles ~1 min)"),
+    show_config: bool = print_config_option(),
 ) -> None:
     """End to end, random-initialized Llama-3-8B-shaped model: DynamicCache + SDPA vs LongCtxCache.
 
@@ -196,8 +219,12 @@ def e2e(
 
     Example: longctx bench e2e --context 128k --formats int4
     """
-    from ..bench import bench_e2e
+    from ..bench import bench_configs, bench_e2e
 
+    if show_config:
+        cfgs, dims = bench_configs(_names(formats))
+        return print_config(bench="e2e", shape={"name": "llama-3-8b", **dims, "layers": layers}, formats=_resolved(cfgs, dims), context=_sizes(context)[0],
+                            new_tokens=new_tokens, chunk=chunk, graphs=graphs, compiled=compiled)
     console = Console()
     rows = bench_e2e(_sizes(context)[0], _names(formats), new_tokens, chunk, layers, graphs=graphs, compiled=compiled,
                      progress=lambda r: console.print(f"  {r.name}: prefill {r.prefill_s:.1f} s, decode {r.decode_ms_per_token:.1f} ms/token, peak {r.peak_gib:.1f} GiB", highlight=False))

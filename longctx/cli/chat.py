@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .options import print_config, print_config_option
+
 HELP = """Commands: /stats (cache and speed), /reset (forget the conversation), /save FILE
 (transcript as Markdown), /help, /exit. Ctrl-C stops the current answer."""
 
@@ -53,6 +55,7 @@ def chat(
     max_context: int = typer.Option(None, "--max-context", help="refuse turns that would exceed this many tokens; also sizes the cache once (see longctx plan)"),
     chunk: int = typer.Option(512, "--chunk", help="prefill chunk in tokens"),
     graphs: bool = typer.Option(None, "--graphs/--no-graphs", help="decode from CUDA graphs (default: where they serve: CUDA, triton backend)"),
+    show_config: bool = print_config_option(),
 ) -> None:
     """Chat with a model; the KV cache is kept across turns (only new tokens are prefilled).
 
@@ -79,6 +82,10 @@ def chat(
     max_blocks = -(-max_context // block_size) if max_context else None
     kv = KVConfig(bits=kv_bits, k_bits=k_bits, v_bits=v_bits, rotate=rotate, block_size=block_size, max_blocks=max_blocks)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    if show_config:  # group_size null: the model's head_dim sets it when the cache is built
+        return print_config(model=model or "embedded SmolLM2-135M-Instruct", kv=kv, sampling=sampling,
+                            chat=dict(device=device, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, seed=seed, system=system, file=file,
+                                      max_context=max_context, chunk=chunk, graphs=graphs))
     err = Console(stderr=True)
     out = Console(highlight=False)
     with err.status("loading model..."):

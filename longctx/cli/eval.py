@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .options import print_config, print_config_option
+
 app = typer.Typer(help="Measure the quality of KV formats on a model.", no_args_is_help=True)
 
 FORMATS = {
@@ -41,6 +43,7 @@ def quality(
     quanto: bool = typer.Option(False, "--quanto", help="also measure Hugging Face's QuantizedCache (quanto int4; needs optimum-quanto)"),
     device: str = typer.Option(None, help="cpu or cuda (default: cuda when available)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    show_config: bool = print_config_option(),
 ) -> None:
     """Perplexity change of each KV format against an exact DynamicCache.
 
@@ -49,6 +52,9 @@ def quality(
     from ..eval import perplexity, quanto_cache
     from ..models import load_model
 
+    if show_config:  # group_size null: the model's head_dim sets it when the cache is built
+        return print_config(eval="quality", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(_formats(formats)),
+                            text=text, chunk=chunk, quanto=quanto, device=device)
     specs = _formats(formats) + ([("HF quanto int4", quanto_cache(4))] if quanto else [])  # (checks optimum-quanto first)
     if text is not None and not text.is_file():
         raise FileNotFoundError(f"no text file at {text}")
@@ -83,6 +89,7 @@ def passkey_cmd(
     tokens: int = typer.Option(3600, help="prompt length in tokens"),
     depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="where the key is hidden, as fractions"),
     device: str = typer.Option(None, help="cpu or cuda (default: cuda when available)"),
+    show_config: bool = print_config_option(),
 ) -> None:
     """Hide a 5-digit key in filler text; does each format still retrieve it?
 
@@ -98,6 +105,9 @@ def passkey_cmd(
         raise ValueError(f"--depths must be comma-separated numbers, got {depths!r}") from None
     if not all(0.0 <= d <= 1.0 for d in ds):
         raise ValueError(f"--depths must lie in [0, 1], got {depths!r}")
+    if show_config:
+        return print_config(eval="passkey", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(specs), tokens=tokens, depths=ds,
+                            device=device)
     console = Console(stderr=True)
     with console.status("loading model..."):
         mdl, tok = load_model(model, device=device)

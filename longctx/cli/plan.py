@@ -8,6 +8,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .options import print_config, print_config_option
+
 GIB = 1 << 30
 
 
@@ -27,6 +29,7 @@ def plan(
     prefill_chunk: int = typer.Option(2048, "--prefill-chunk", help="tokens per prefill forward"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     list_catalog: bool = typer.Option(False, "--list", help="list the catalog's models and GPUs and exit"),
+    show_config: bool = print_config_option(),
 ) -> None:
     """The longest context that fits, per KV format, and the budget behind it.
 
@@ -50,6 +53,9 @@ def plan(
         raise ValueError(f"--weights-bits must be 16, 8 or 4, got {weights_bits}")
     shape = model_shape(model)
     label, gib = gpu_memory(gpu if gpu or gpu_mem else "rtx-4090", gpu_mem)
+    if show_config:
+        return print_config(model=shape, gpu={"name": label, "memory_gib": gib}, weights_bits=weights_bits, kv_bits=bits, batch=batch,
+                            block_size=block_size, prefill_chunk=prefill_chunk, offload_gib=offload_gb)
     p = make_plan(shape, label, gib, weights_bits=weights_bits, kv_bits=bits, batch=batch, block_size=block_size,
                   prefill_chunk=prefill_chunk, offload_gib=offload_gb)
     if as_json:
