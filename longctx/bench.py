@@ -144,6 +144,18 @@ def _copies(bytes_per_copy: int, target: int = 3 * 1024**3) -> int:
     return max(2, min(32, math.ceil(target / max(1, bytes_per_copy))))
 
 
+def decode_cases(contexts=(), batches=(), cases=None) -> list[tuple[int, int]]:
+    """The (context, batch) pairs `bench_decode` runs, checked: `cases` in their order, or
+    else every context at every batch size."""
+    pairs = [(int(T), int(B)) for T, B in cases] if cases is not None else [(T, B) for B in batches for T in contexts]
+    if not pairs:
+        raise ValueError("bench decode needs at least one context and batch")
+    for T, B in pairs:
+        if T < 1 or B < 1:
+            raise ValueError(f"contexts and batch sizes must be at least 1, got context {T} at batch {B}")
+    return pairs
+
+
 def bench_decode(
     contexts=(4096, 32768, 131072, 524288),
     batches=(1,),
@@ -166,12 +178,7 @@ def bench_decode(
     from .ops.gather_dequant import gather_dequant
     from .ops.paged_attention import paged_attention
 
-    pairs = [(int(T), int(B)) for T, B in cases] if cases is not None else [(T, B) for B in batches for T in contexts]
-    if not pairs:
-        raise ValueError("bench decode needs at least one context and batch")
-    for T, B in pairs:
-        if T < 1 or B < 1:
-            raise ValueError(f"contexts and batch sizes must be at least 1, got context {T} at batch {B}")
+    pairs = decode_cases(contexts, batches, cases)
     cfgs, Hq, H, D = _setup("decode", formats, block_size, shape)
     timer = _time_graph if graph else _time
     rows: list[DecodeRow] = []

@@ -111,7 +111,8 @@ def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeyp
     quality = yaml.safe_load(runner.invoke(app, ["eval", "quality", "--formats", "int4,int2+rot", "--print-config"]).stdout)
     assert KVConfig(**quality["formats"]["int2+rot"]) == KVConfig(bits=2, rotate=True, block_size=16)
     assert yaml.safe_load(runner.invoke(app, ["plan", "--gpu", "rtx-3090", "--print-config"]).stdout)["gpu"]["name"] == "rtx-3090"
-    one_line_error(runner.invoke(app, ["chat", "--kv-bits", "3", "--print-config"]), ["chat", "--kv-bits", "3"])  # still checked
+    for args in (["chat", "--kv-bits", "3"], ["bench", "decode", "--cases", "4k:0"], ["eval", "quality", "--text", "missing.txt"]):
+        one_line_error(runner.invoke(app, [*args, "--print-config"]), args)  # still checked
 
 
 def test_main_entry_point_exits_2_on_known_errors():

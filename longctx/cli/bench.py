@@ -65,16 +65,18 @@ def decode(
 
     Example: longctx bench decode --contexts 4k,128k --batch 1,8 --formats int4,int8 --graph
     """
-    from ..bench import bench_configs, bench_decode
+    from ..bench import bench_configs, bench_decode, decode_cases
 
     if cases is not None and (contexts is not None or batch is not None):
         raise ValueError("give --cases or --contexts/--batch, not both")
-    pairs = _pairs(cases) if cases is not None else None
-    contexts_, batches = _sizes("4k,32k,128k,512k" if contexts is None else contexts), _sizes("1" if batch is None else batch)
+    pairs = decode_cases(_sizes("4k,32k,128k,512k" if contexts is None else contexts), _sizes("1" if batch is None else batch),
+                         _pairs(cases) if cases is not None else None)
+    if plot is not None:
+        _need_matplotlib()
     if show_config:
         cfgs, dims = bench_configs(_names(formats), block_size, shape)
-        return print_config(bench="decode", shape={"name": shape, **dims}, formats=_resolved(cfgs, dims),
-                            cases=pairs if pairs is not None else [(T, B) for B in batches for T in contexts_], graph=graph, peers=not no_peers)
+        return print_config(bench="decode", shape={"name": shape, **dims}, formats=_resolved(cfgs, dims), cases=pairs, graph=graph,
+                            peers=not no_peers)
 
     console = Console()
 
@@ -82,9 +84,7 @@ def decode(
         for r in case:
             console.print(f"  {r.name:34s} ctx {r.context:>7d} B{r.batch}: {r.ms:8.4f} ms  {r.tb_per_s:5.2f} TB/s  x{r.ratio_to_sdpa:5.2f}", highlight=False)
 
-    if plot is not None:
-        _need_matplotlib()
-    rows = bench_decode(contexts_, batches, _names(formats), shape, block_size, not no_peers, progress=show, graph=graph, cases=pairs)
+    rows = bench_decode(formats=_names(formats), shape=shape, block_size=block_size, peers=not no_peers, progress=show, graph=graph, cases=pairs)
     table = Table(title=f"Decode attention per layer ({shape}), median{', CUDA-graph replays' if graph else ''}")
     for col in ("kernel", "context", "batch", "ms", "TB/s", "vs SDPA bf16"):
         table.add_column(col, justify="left" if col == "kernel" else "right")
