@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from .config import KVConfig
+from .config import KVConfig, kv_preset
 from .errors import BackendUnavailableError
 from .ops.pages import Pages, PagedView
 from .quant import BlockFormat
@@ -24,9 +24,9 @@ from .quant import BlockFormat
 LLAMA3_8B = dict(heads=32, kv_heads=8, head_dim=128, layers=32)
 SMOLLM2 = dict(heads=9, kv_heads=3, head_dim=64, layers=30)
 SHAPES = {"llama-3-8b": LLAMA3_8B, "smollm2-135m": SMOLLM2}
-# the formats every bench takes by name (KVConfig fields)
-_FORMATS = {"bf16": {"bits": 16}, "int8": {"bits": 8}, "int4": {"bits": 4}, "k8v4": {"bits": 4, "k_bits": 8},
-            "int2": {"bits": 2, "rotate": True}, "int4+rot": {"bits": 4, "rotate": True}}
+# the benches take the named KV formats (longctx/configs/kv.yaml) at their block size; "int2"
+# is int2+rot (2-bit pages are rotated), the name they took before the formats were shared
+_ALIASES = {"int2": "int2+rot"}
 
 
 @dataclass
@@ -253,9 +253,7 @@ def _flex_row(q, B: int, T: int, H: int, D: int, block_size: int, reps: int) -> 
 
 
 def _config(name: str, block_size: int) -> KVConfig:
-    if name not in _FORMATS:
-        raise ValueError(f"unknown format {name!r}; choose from {', '.join(_FORMATS)}")
-    return KVConfig(**_FORMATS[name], block_size=block_size)
+    return kv_preset(_ALIASES.get(name, name), block_size=block_size)
 
 
 def bench_configs(formats, block_size: int = 64, shape: str = "llama-3-8b") -> tuple[dict[str, KVConfig], dict[str, int]]:

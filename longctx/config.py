@@ -10,8 +10,10 @@ model's shapes (`group_size` divides `head_dim`, rotation needs a power-of-two `
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
+from importlib import resources
 
 ALLOWED_BITS = (16, 8, 4, 2)
 ALLOWED_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -141,6 +143,26 @@ class KVConfig:
         if self.rotate:
             name += "+rot"
         return name
+
+
+@functools.cache
+def _presets() -> dict[str, dict]:
+    import yaml
+
+    return yaml.safe_load(resources.files("longctx").joinpath("configs/kv.yaml").read_text())
+
+
+def kv_preset_names() -> list[str]:
+    """The named KV formats of `longctx/configs/kv.yaml`, in its order."""
+    return list(_presets())
+
+
+def kv_preset(name: str, **overrides) -> KVConfig:
+    """The KV format named `name` in `longctx/configs/kv.yaml`, with `overrides` on top
+    (e.g. `kv_preset("int4", block_size=128)`)."""
+    if name not in _presets():
+        raise ValueError(f"unknown format {name!r}; choose from {', '.join(_presets())}")
+    return KVConfig(**{**_presets()[name], **overrides})
 
 
 def config_yaml(**sections) -> str:

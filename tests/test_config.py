@@ -82,3 +82,17 @@ def test_config_yaml_builds_the_same_config_again(tmp_path):
     assert data["kv"]["layers_16bit"] == [1, 3] and data["cases"] == [[4096, 1], [32768, 8]]
     assert data["file"] == str(tmp_path / "doc.txt") and data["dtype"] == "(1+2j)" and data["none"] is None
     assert list(data) == ["kv", "formats", "cases", "file", "dtype", "none"]  # in the order given
+
+
+def test_kv_presets_are_the_named_formats():
+    from longctx.bench import _config
+    from longctx.config import kv_preset, kv_preset_names
+
+    assert kv_preset_names() == ["bf16", "int8", "k8v4", "int4", "int4+rot", "int2+rot"]
+    assert {n: kv_preset(n).describe() for n in kv_preset_names()} == {n: n for n in kv_preset_names()}  # each name says what it is
+    assert kv_preset("int2+rot") == KVConfig(bits=2, rotate=True, block_size=16)
+    assert kv_preset("int4", block_size=128) == KVConfig(bits=4, block_size=128)
+    with pytest.raises(ValueError, match="unknown format 'int3'; choose from bf16, int8"):
+        kv_preset("int3")
+    # the benches take them at their block size, and "int2" as int2+rot
+    assert _config("int2", 64) == _config("int2+rot", 64) == KVConfig(bits=2, rotate=True, block_size=64)

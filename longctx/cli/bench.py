@@ -52,7 +52,7 @@ def decode(
     contexts: str = typer.Option(None, help="context lengths, e.g. 4k,32k,128k (default 4k,32k,128k,512k)"),
     batch: str = typer.Option(None, help="batch sizes, e.g. 1,8; each context runs at each (default 1)"),
     cases: str = typer.Option(None, help="CONTEXT:BATCH pairs instead of --contexts x --batch, e.g. 4k:1,128k:1,512k:1,32k:8"),
-    formats: str = typer.Option("int4,int8,bf16", help="longctx formats: bf16,int8,k8v4,int4,int4+rot,int2"),
+    formats: str = typer.Option("int4,int8,bf16", help="longctx formats: bf16,int8,k8v4,int4,int4+rot,int2+rot (int2 for short; longctx/configs/kv.yaml)"),
     shape: str = typer.Option("llama-3-8b", help="model shape: llama-3-8b or smollm2-135m"),
     block_size: int = typer.Option(64, help="tokens per page"),
     no_peers: bool = typer.Option(False, "--no-peers", help="skip SDPA dense and dequantize-all peers"),

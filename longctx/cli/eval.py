@@ -9,29 +9,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..config import kv_preset, kv_preset_names
 from .options import print_config, print_config_option
 
 app = typer.Typer(help="Measure the quality of KV formats on a model.", no_args_is_help=True)
 
-FORMATS = {
-    "bf16": dict(bits=16),
-    "int8": dict(bits=8),
-    "k8v4": dict(bits=4, k_bits=8),
-    "int4": dict(bits=4),
-    "int4+rot": dict(bits=4, rotate=True),
-    "int2+rot": dict(bits=2, rotate=True, block_size=16),
-}
+FORMATS = kv_preset_names()  # longctx/configs/kv.yaml
 
 
 def _formats(names: str):
-    from ..config import KVConfig
-
-    out = []
-    for name in [n.strip() for n in names.split(",") if n.strip()]:
-        if name not in FORMATS:
-            raise ValueError(f"unknown format {name!r}; choose from {', '.join(FORMATS)}")
-        out.append((name, KVConfig(**FORMATS[name])))
-    return out
+    return [(name, kv_preset(name)) for name in [n.strip() for n in names.split(",") if n.strip()]]
 
 
 @app.command()
