@@ -31,9 +31,15 @@ def _sizes(text: str) -> list[int]:
     return out
 
 
-def _resolved(cfgs: dict, dims: dict) -> dict:
-    """The formats' configs as the bench's shape resolves them (group_size filled in)."""
-    return {name: cfg.resolve(dims["layers"], dims["head_dim"]) for name, cfg in cfgs.items()}
+def _print_bench_config(bench: str, formats: str, block_size: int = 64, shape: str = "llama-3-8b", shape_layers: int | None = None,
+                        **rest) -> None:
+    """`--print-config` of a bench: its shape (with `shape_layers` where the bench sets its own), the
+    formats' configs as that shape resolves them (group_size filled in), then `rest`."""
+    from ..bench import bench_configs
+
+    cfgs, dims = bench_configs(_names(formats), block_size, shape)
+    print_config(bench=bench, shape={"name": shape, **dims, **({} if shape_layers is None else {"layers": shape_layers})},
+                 formats={name: cfg.resolve(dims["layers"], dims["head_dim"]) for name, cfg in cfgs.items()}, **rest)
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:
@@ -65,7 +71,7 @@ def decode(
 
     Example: longctx bench decode --contexts 4k,128k --batch 1,8 --formats int4,int8 --graph
     """
-    from ..bench import bench_configs, bench_decode, decode_cases
+    from ..bench import bench_decode, decode_cases
 
     if cases is not None and (contexts is not None or batch is not None):
         raise ValueError("give --cases or --contexts/--batch, not both")
@@ -74,9 +80,7 @@ def decode(
     if plot is not None:
         _need_matplotlib()
     if show_config:
-        cfgs, dims = bench_configs(_names(formats), block_size, shape)
-        return print_config(bench="decode", shape={"name": shape, **dims}, formats=_resolved(cfgs, dims), cases=pairs, graph=graph,
-                            peers=not no_peers)
+        return _print_bench_config("decode", formats, block_size, shape, cases=pairs, graph=graph, peers=not no_peers)
 
     console = Console()
 
@@ -138,12 +142,10 @@ def prefill(
 
     Example: longctx bench prefill --contexts 32k,128k --chunks 512,16k
     """
-    from ..bench import bench_configs, bench_prefill
+    from ..bench import bench_prefill
 
     if show_config:
-        cfgs, dims = bench_configs(_names(formats), block_size, shape)
-        return print_config(bench="prefill", shape={"name": shape, **dims}, formats=_resolved(cfgs, dims), contexts=_sizes(contexts), chunks=_sizes(chunks),
-                            paths=_names(paths))
+        return _print_bench_config("prefill", formats, block_size, shape, contexts=_sizes(contexts), chunks=_sizes(chunks), paths=_names(paths))
     rows = bench_prefill(_sizes(contexts), _sizes(chunks), _names(formats), shape, block_size, paths=_names(paths))
     table = Table(title=f"Prefill chunk per layer ({shape}), median")
     for col in ("kernel", "context", "chunk", "ms", "tokens/s", "vs SDPA bf16"):
@@ -175,12 +177,11 @@ def seal(
 
     Example: longctx bench seal --context 128k --formats int4,int8
     """
-    from ..bench import bench_configs, bench_seal
+    from ..bench import SHAPES, bench_seal
 
     if show_config:
-        cfgs, dims = bench_configs(_names(formats), block_size, shape)
-        return print_config(bench="seal", shape={"name": shape, **dims}, formats=_resolved(cfgs, dims), context=_sizes(context)[0],
-                            layers=dims["layers"] if layers is None else layers)
+        return _print_bench_config("seal", formats, block_size, shape, context=_sizes(context)[0],
+                                   layers=SHAPES[shape]["layers"] if layers is None and shape in SHAPES else layers)
     rows = bench_seal(_sizes(context)[0], _names(formats), shape, block_size=block_size, layers=layers)
     L = rows[0].layers if rows else layers
     table = Table(title=f"Decode step ({shape}, {L} layers): append + attend, with one seal every {block_size} steps")
@@ -219,12 +220,11 @@ def e2e(
 
     Example: longctx bench e2e --context 128k --formats int4
     """
-    from ..bench import bench_configs, bench_e2e
+    from ..bench import bench_e2e
 
     if show_config:
-        cfgs, dims = bench_configs(_names(formats))
-        return print_config(bench="e2e", shape={"name": "llama-3-8b", **dims, "layers": layers}, formats=_resolved(cfgs, dims), context=_sizes(context)[0],
-                            new_tokens=new_tokens, chunk=chunk, graphs=graphs, compiled=compiled)
+        return _print_bench_config("e2e", formats, shape_layers=layers, context=_sizes(context)[0], new_tokens=new_tokens, chunk=chunk, graphs=graphs,
+                                   compiled=compiled)
     console = Console()
     rows = bench_e2e(_sizes(context)[0], _names(formats), new_tokens, chunk, layers, graphs=graphs, compiled=compiled,
                      progress=lambda r: console.print(f"  {r.name}: prefill {r.prefill_s:.1f} s, decode {r.decode_ms_per_token:.1f} ms/token, peak {r.peak_gib:.1f} GiB", highlight=False))

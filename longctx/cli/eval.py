@@ -39,11 +39,12 @@ def quality(
     from ..eval import perplexity, quanto_cache
     from ..models import load_model
 
-    specs = _formats(formats) + ([("HF quanto int4", quanto_cache(4))] if quanto else [])  # (checks optimum-quanto first)
+    kv_specs = _formats(formats)
+    specs = kv_specs + ([("HF quanto int4", quanto_cache(4))] if quanto else [])  # (checks optimum-quanto first)
     if text is not None and not text.is_file():
         raise FileNotFoundError(f"no text file at {text}")
     if show_config:  # group_size null: the model's head_dim sets it when the cache is built
-        return print_config(eval="quality", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(_formats(formats)),
+        return print_config(eval="quality", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(kv_specs),
                             text=text, chunk=chunk, quanto=quanto, device=device)
     body = text.read_text(encoding="utf-8") if text else None
     console = Console(stderr=True)
