@@ -37,6 +37,7 @@ class DecodeRow:
     ms: float  # per layer, median
     kv_bytes: int  # bytes of K/V (codes, scales, dense) one step must read
     ratio_to_sdpa: float = float("nan")  # SDPA dense bf16 time / this time (>1: faster)
+    note: str = ""  # why a row has no time (ms nan): out of GPU memory, a peer that failed
 
     @property
     def tb_per_s(self) -> float:
@@ -48,7 +49,8 @@ class DecodeRow:
 
 def synthetic_view(batch: int, context: int, kv_heads: int, head_dim: int, cfg: KVConfig, device, dtype=torch.bfloat16, seed: int = 0) -> PagedView:
     """A paged batch of `context` tokens per row with random codes and scales: one sink
-    block, sealed blocks at shuffled pool slots, and a half-full tail."""
+    block, sealed blocks at shuffled pool slots, and a half-full tail. On the "meta" device,
+    the same tensors without values: what a view of that size takes (`view_nbytes`)."""
     cfg = cfg.resolve(1, head_dim)
     P, H, D = cfg.block_size, kv_heads, head_dim
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -57,12 +59,13 @@ def synthetic_view(batch: int, context: int, kv_heads: int, head_dim: int, cfg: 
     fmt = BlockFormat(*cfg.layer_bits(0), P, cfg.group_size, D, H, dtype, cfg.rotate)
     n = batch * n_blocks
     pages = Pages(fmt)
+    sized = torch.device(device).type == "meta"
 
     def rnd(*shape):
-        return (torch.randn(*shape, generator=g) * 0.5).to(dtype).to(device)
+        return torch.empty(shape, dtype=dtype, device=device) if sized else (torch.randn(*shape, generator=g) * 0.5).to(dtype).to(device)
 
     def codes(*shape):
-        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).to(device)
+        return torch.empty(shape, dtype=torch.uint8, device=device) if sized else torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).to(device)
 
     if fmt.k_bits == 16:
         pages.k = rnd(n, H, P, D)
@@ -90,6 +93,12 @@ def copy_view(view: PagedView) -> PagedView:
                    tail_k=view.tail_k.clone(), tail_v=view.tail_v.clone(),
                    tail_len=None if view.tail_len is None else view.tail_len.clone(),
                    n_blocks=None if view.n_blocks is None else view.n_blocks.clone())
+
+
+def view_nbytes(view: PagedView) -> int:
+    """Memory a view holds on its device (every tensor of it), as opposed to what a step reads."""
+    tensors = [*view.pages.tensors().values(), view.sink_k, view.sink_v, view.block_table, view.tail_k, view.tail_v, view.tail_len, view.n_blocks]
+    return sum(t.nbytes for t in tensors if t is not None)
 
 
 def view_bytes(view: PagedView) -> int:
@@ -144,6 +153,66 @@ def _copies(bytes_per_copy: int, target: int = 3 * 1024**3) -> int:
     return max(2, min(32, math.ceil(target / max(1, bytes_per_copy))))
 
 
+# GPU memory a decode row keeps free beyond its copies: the kernels' split workspaces and
+# outputs, a CUDA graph's pool, the allocator's rounding and fragments
+_SLACK = 512 * 1024**2
+# a copy this large is far beyond any GPU's L2 (the H200's is 60 MB): one copy times as well as two
+_ONE_COPY = 512 * 1024**2
+
+
+def _free_bytes(device) -> int:
+    """GPU memory free for the next row: the driver's free bytes once the allocator has
+    returned what it holds unused."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def _fewest_copies(copy_bytes: int) -> int:
+    """Two copies, so that no call finds its pages in L2 after the last; one of a copy far beyond it."""
+    return 1 if copy_bytes >= _ONE_COPY else 2
+
+
+def _fit_copies(copy_bytes: int, free: int, extra: int = 0) -> int:
+    """How many copies of `copy_bytes` to time with `free` bytes, `extra` of them taken by a
+    call's temporaries: `_copies`' count, fewer when they do not all fit, 0 when not even
+    the fewest fit."""
+    fit = (free - extra - _SLACK) // max(1, copy_bytes)
+    return min(_copies(copy_bytes), fit) if fit >= _fewest_copies(copy_bytes) else 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.1f} GiB"
+
+
+def _no_room(copy_bytes: int, free: int, extra: int = 0) -> str:
+    """The note of a row whose fewest copies do not fit."""
+    fewest = _fewest_copies(copy_bytes)
+    parts = [f"{fewest} cop{'y' if fewest == 1 else 'ies'} of {_gib(copy_bytes)}"] + ([f"{_gib(extra)} of temporaries"] if extra else [])
+    return f"out of GPU memory: needs {' + '.join(parts)} + {_gib(_SLACK)} of workspace, {_gib(free)} free"
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An out-of-memory error, or an error raised while unwinding from one (a CUDA graph's
+    capture that an allocation failed inside ends in an error of its own)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, torch.OutOfMemoryError):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def _timed_row(name: str, T: int, B: int, kv_bytes: int, measure) -> DecodeRow:
+    """A row from `measure()` (its ms), or, when the GPU runs out of memory on the way, a row
+    that says so and no time, the bench going on with the next."""
+    try:
+        return DecodeRow(name, T, B, measure(), kv_bytes)
+    except Exception as e:
+        if not _out_of_memory(e):
+            raise
+        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"out of GPU memory ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+
+
 def decode_cases(contexts=(), batches=(), cases=None) -> list[tuple[int, int]]:
     """The (context, batch) pairs `bench_decode` runs, checked: `cases` in their order, or
     else every context at every batch size."""
@@ -172,7 +241,11 @@ def bench_decode(
     """Per-layer decode latency of each format and peer, for every (context, batch), or for
     each (context, batch) pair of `cases` in turn when given (instead of the cross product:
     e.g. batch 1 at 128k and 512k with batch 8 at 32k in one process).
-    graph=True times CUDA-graph replays of every kernel, peers included (no launch overhead)."""
+    graph=True times CUDA-graph replays of every kernel, peers included (no launch overhead).
+
+    Each row times copies of its KV in distinct memory (see `_copies`), as many as fit in the
+    GPU's free memory; a row that does not fit at all gets no time and a note saying what it
+    needed, and the bench goes on with the next row."""
     import torch.nn.functional as F
 
     from .ops.gather_dequant import gather_dequant
@@ -187,27 +260,43 @@ def bench_decode(
         case: list[DecodeRow] = []
         dense_bytes = 2 * B * T * H * D * 2
         if peers:
-            L = _copies(dense_bytes)
-            kvs = [(torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16), torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16)) for _ in range(L)]
-            ms = timer(lambda i: F.scaled_dot_product_attention(q, kvs[i][0], kvs[i][1], enable_gqa=True), L, reps)
-            case.append(DecodeRow("SDPA dense bf16", T, B, ms, dense_bytes))
-            del kvs
+            case.append(_sdpa_row(q, T, B, H, D, timer, reps))
             if not graph:
                 case.append(_flex_row(q, B, T, H, D, block_size, reps))
         for name, cfg in cfgs.items():
-            one = synthetic_view(B, T, H, D, cfg, device)
-            L = _copies(view_bytes(one))
-            views = [one] + [copy_view(one) for _ in range(1, L)]
-            ms = timer(lambda i: paged_attention(q, views[i], backend="triton", return_lse=False), L, reps)
-            case.append(DecodeRow(f"longctx {cfg.describe()}", T, B, ms, view_bytes(one)))
-            if peers and name == "int4":
-                def deq_all(i):
-                    k, v = gather_dequant(views[i], out_dtype=torch.bfloat16)
-                    F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            sized = synthetic_view(B, T, H, D, cfg, "meta")
+            label, kv_bytes, copy_bytes = f"longctx {cfg.describe()}", view_bytes(sized), view_nbytes(sized)
+            deq = "dequantize-all then SDPA (int4)" if peers and name == "int4" else None
+            free = _free_bytes(device)
+            L = _fit_copies(copy_bytes, free)
+            if not L:
+                case.append(DecodeRow(label, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free)))
+                if deq:
+                    case.append(DecodeRow(deq, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free, dense_bytes)))
+                continue
+            views: list[PagedView] = []
 
-                ms = timer(deq_all, L, max(3, reps // 4))
-                case.append(DecodeRow("dequantize-all then SDPA (int4)", T, B, ms, view_bytes(one)))
-            del views, one
+            def attend():
+                views.append(synthetic_view(B, T, H, D, cfg, device))
+                views.extend(copy_view(views[0]) for _ in range(1, L))
+                return timer(lambda i: paged_attention(q, views[i], backend="triton", return_lse=False), L, reps)
+
+            case.append(_timed_row(label, T, B, kv_bytes, attend))
+            if deq and len(views) == L:
+                # the same copies, as many as leave room for one call's dense K and V
+                n = min(L, _fit_copies(copy_bytes, free, dense_bytes))
+                del views[n:]
+                if not n:
+                    case.append(DecodeRow(deq, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free, dense_bytes)))
+                else:
+                    def deq_all(i):
+                        k, v = gather_dequant(views[i], out_dtype=torch.bfloat16)
+                        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+                    case.append(_timed_row(deq, T, B, kv_bytes, lambda: timer(deq_all, n, max(3, reps // 4))))
+            elif deq:
+                case.append(DecodeRow(deq, T, B, float("nan"), kv_bytes, note=case[-1].note))
+            del views
             torch.cuda.empty_cache()
         base = next((r.ms for r in case if r.name == "SDPA dense bf16"), float("nan"))
         for r in case:
@@ -216,6 +305,28 @@ def bench_decode(
         if progress is not None:
             progress(case)
     return rows
+
+
+def _sdpa_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> DecodeRow:
+    """The SDPA dense bf16 peer (PyTorch's flash kernel over dense K/V), the rows' base."""
+    import torch.nn.functional as F
+
+    name, dense_bytes = "SDPA dense bf16", 2 * B * T * H * D * 2
+    L = _fit_copies(dense_bytes, free := _free_bytes(q.device))
+    if not L:
+        return DecodeRow(name, T, B, float("nan"), dense_bytes, note=_no_room(dense_bytes, free))
+    kvs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def measure():
+        kvs.extend((torch.randn(B, H, T, D, device=q.device, dtype=torch.bfloat16), torch.randn(B, H, T, D, device=q.device, dtype=torch.bfloat16))
+                   for _ in range(L))
+        return timer(lambda i: F.scaled_dot_product_attention(q, kvs[i][0], kvs[i][1], enable_gqa=True), L, reps)
+
+    try:
+        return _timed_row(name, T, B, dense_bytes, measure)
+    finally:
+        del kvs
+        torch.cuda.empty_cache()
 
 
 @dataclass
@@ -236,19 +347,28 @@ class PrefillRow:
 
 def _flex_row(q, B: int, T: int, H: int, D: int, block_size: int, reps: int) -> DecodeRow:
     """The FlexAttention paged bf16 peer (backend "flex" over 16-bit pages). A failure to
-    compile or run is reported in the row's name (time nan), not raised."""
+    compile or run is reported in the row's note (time nan), not raised."""
     from .ops.paged_attention import paged_attention
 
-    name = "FlexAttention paged bf16"
+    name, cfg = "FlexAttention paged bf16", KVConfig(bits=16, block_size=block_size)
+    sized = synthetic_view(B, T, H, D, cfg, "meta")
+    kv_bytes, copy_bytes = view_bytes(sized), view_nbytes(sized)
+    L = _fit_copies(copy_bytes, free := _free_bytes(q.device))
+    if not L:
+        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free))
+    views: list[PagedView] = []
+
+    def measure():
+        views.append(synthetic_view(B, T, H, D, cfg, q.device))
+        views.extend(copy_view(views[0]) for _ in range(1, L))
+        return _time(lambda i: paged_attention(q, views[i], backend="flex", return_lse=False), L, reps)
+
     try:
-        one = synthetic_view(B, T, H, D, KVConfig(bits=16, block_size=block_size), q.device)
-        L = _copies(view_bytes(one))
-        views = [one] + [copy_view(one) for _ in range(1, L)]
-        ms = _time(lambda i: paged_attention(q, views[i], backend="flex", return_lse=False), L, reps)
-        return DecodeRow(name, T, B, ms, view_bytes(one))
+        return _timed_row(name, T, B, kv_bytes, measure)
     except Exception as e:  # noqa: BLE001 - a peer that cannot run is a finding, shown in the table
-        return DecodeRow(f"{name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})", T, B, float("nan"), 0)
+        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
     finally:
+        del views
         torch.cuda.empty_cache()
 
 

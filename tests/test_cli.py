@@ -223,7 +223,7 @@ def test_bench_copies_of_a_view_hold_its_values_in_their_own_memory(fmt):
     """The bench times a view's copies in turn to defeat the L2 cache: each must hold the same
     pages, sinks, table and tail, in memory of its own."""
     from longctx import KVConfig
-    from longctx.bench import copy_view, synthetic_view, view_bytes
+    from longctx.bench import copy_view, synthetic_view, view_bytes, view_nbytes
     from longctx.ops.paged_attention import paged_attention
 
     one = synthetic_view(2, 300, 2, 64, KVConfig(block_size=16, **fmt), "cpu")
@@ -234,8 +234,117 @@ def test_bench_copies_of_a_view_hold_its_values_in_their_own_memory(fmt):
     for name in a:
         assert torch.equal(a[name], b[name]) and a[name].data_ptr() != b[name].data_ptr(), name
     assert (two.n_sink, two.pages.fmt, view_bytes(two)) == (one.n_sink, one.pages.fmt, view_bytes(one))
+    # what the bench sizes its copies by: a view's memory, known before it is drawn
+    sized = synthetic_view(2, 300, 2, 64, KVConfig(block_size=16, **fmt), "meta")
+    assert view_nbytes(sized) == view_nbytes(two) == sum(t.nbytes for t in b.values()) and view_bytes(sized) == view_bytes(one)
     q = torch.randn(2, 6, 1, 64, dtype=torch.bfloat16)
     assert torch.equal(paged_attention(q, two, backend="reference")[0], paged_attention(q, one, backend="reference")[0])
+
+
+def _fake_gpu(monkeypatch, free: int, fail_at: int = 0, error=None) -> list[int]:
+    """`bench decode` on this machine: a CUDA check that passes, `free` bytes of GPU memory, and
+    timers that return 0.5 ms without running the kernels, recording how many copies each row
+    timed; the `fail_at`-th timing raises `error` instead."""
+    import longctx.bench as bench
+
+    copies: list[int] = []
+
+    def timer(fn, n, reps):
+        copies.append(n)
+        if len(copies) == fail_at:
+            raise error
+        return 0.5
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "_free_bytes", lambda device: free)
+    monkeypatch.setattr(bench, "_time", timer)
+    monkeypatch.setattr(bench, "_time_graph", timer)
+    return copies
+
+
+def test_bench_decode_rows_that_do_not_fit_say_so_and_the_rest_are_timed(monkeypatch):
+    """A row whose copies do not fit in the GPU's free memory is timed on fewer copies, or, when
+    not even the fewest fit, has no time and a note of what it needed; the bench goes on with
+    the rows after it, and the CLI shows the note and writes JSON nulls for the missing figures."""
+    from longctx import KVConfig
+    from longctx.bench import _SLACK, bench_decode, synthetic_view, view_nbytes
+
+    H, D, mib = 3, 64, 1024**2
+    free = _SLACK + 100 * mib
+    copies = _fake_gpu(monkeypatch, free)
+    cases = [(1024, 1), (1 << 20, 1), (65536, 1), (2048, 2)]
+    rows = bench_decode(formats=("int4", "int8"), shape="smollm2-135m", cases=cases, graph=True, device="cpu")
+    names = ["SDPA dense bf16", "longctx int4", "dequantize-all then SDPA (int4)", "longctx int8"]
+    assert [(r.name, r.context, r.batch) for r in rows] == [(n, T, B) for T, B in cases for n in names]
+    timed = [r for r in rows if r.ms == r.ms]
+    assert [r.context for r in rows if r not in timed] == [1 << 20] * 4  # 768 MiB dense, 216 MiB int4: not in 100 MiB
+    for r in rows:
+        if r in timed:
+            assert r.ms == 0.5 and r.note == "" and r.ratio_to_sdpa == 1.0
+        else:
+            assert r.ms != r.ms and r.ratio_to_sdpa != r.ratio_to_sdpa and r.note.startswith("out of GPU memory: needs ")
+            assert r.note.endswith(f"{free / 1024**3:.1f} GiB free"), r.note
+    assert rows[4].note.startswith("out of GPU memory: needs 1 copy of 0.8 GiB")  # one copy of a 768 MiB dense K/V would do
+    assert rows[5].note.startswith("out of GPU memory: needs 2 copies of 0.2 GiB")
+    assert len(copies) == len(timed)
+
+    def need(r, n):  # the memory a timed row held: its copies, and one call's dense K/V for the dequantizing peer
+        dense = 2 * r.batch * r.context * H * D * 2
+        if r.name.startswith("SDPA"):
+            return n * dense
+        cfg = KVConfig(bits=4 if "int4" in r.name else 8, block_size=64)
+        return n * view_nbytes(synthetic_view(r.batch, r.context, H, D, cfg, "meta")) + (dense if r.name.startswith("dequantize") else 0)
+
+    for r, n in zip(timed, copies, strict=True):
+        assert need(r, n) <= free - _SLACK and (n == 32 or need(r, n + 1) > free - _SLACK), (r.name, r.context, n)
+    at_64k = [n for r, n in zip(timed, copies, strict=True) if r.context == 65536]
+    assert at_64k[0] == 2 and all(n < 32 for n in at_64k), at_64k  # 2 copies of the 48 MiB dense K/V fit, not 32
+    assert at_64k[2] < at_64k[1]  # the dequantizing peer: fewer int4 copies, beside one call's dense K/V
+    # one copy of a K/V far beyond L2 is timed alone; the peer's int4 copies and its dense temporaries do not fit
+    copies = _fake_gpu(monkeypatch, free := _SLACK + 800 * mib)
+    rows = bench_decode(formats=("int4",), shape="smollm2-135m", cases=[(1 << 20, 1)], graph=True, device="cpu")
+    assert [r.ms == r.ms for r in rows] == [True, True, False] and copies == [1, 3], copies
+    assert rows[2].note == f"out of GPU memory: needs 2 copies of 0.2 GiB + 0.8 GiB of temporaries + 0.5 GiB of workspace, {free / 1024**3:.1f} GiB free"
+
+
+def test_bench_decode_goes_on_after_the_gpu_runs_out_of_memory(monkeypatch):
+    """Out of memory while a row runs (also as the error a CUDA graph's capture ends in after a
+    failed allocation): that row says so, the next are timed; any other error is raised."""
+    from longctx.bench import bench_decode
+
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")  # noqa: B904 - as capture_end raises
+    except RuntimeError as e:
+        unwound = e
+    for error in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), unwound):
+        _fake_gpu(monkeypatch, 1 << 40, fail_at=3, error=error)  # SDPA, FlexAttention, then longctx int4
+        rows = bench_decode(formats=("int4", "int8"), shape="smollm2-135m", cases=[(1024, 1), (2048, 1)], device="cpu")
+        assert [r.ms == r.ms for r in rows] == [True, True, False, True, True] + [True] * 5
+        assert rows[2].name == "longctx int4" and rows[2].note.startswith("out of GPU memory (") and type(error).__name__ in rows[2].note
+    _fake_gpu(monkeypatch, 1 << 40, fail_at=3, error=RuntimeError("an error of the kernel's"))
+    with pytest.raises(RuntimeError, match="of the kernel's"):
+        bench_decode(formats=("int4",), shape="smollm2-135m", cases=[(1024, 1)], device="cpu")
+
+
+def test_bench_decode_cli_shows_why_a_row_has_no_time(monkeypatch, tmp_path):
+    import functools
+
+    import longctx.bench as bench
+
+    _fake_gpu(monkeypatch, bench._SLACK + 100 * 1024**2)
+    monkeypatch.setattr(bench, "bench_decode", functools.partial(bench.bench_decode, device="cpu"))
+    out = tmp_path / "rows.json"
+    r = runner.invoke(app, ["bench", "decode", "--cases", "1k:1,1024k:1", "--formats", "int8", "--shape", "smollm2-135m", "--graph", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "out of GPU memory: needs 1 copy of 0.8 GiB" in r.stdout
+    text = out.read_text()
+    assert "NaN" not in text
+    rows = json.loads(text)
+    assert [(d["context"], d["ms"] is None) for d in rows] == [(1024, False), (1024, False), (1 << 20, True), (1 << 20, True)]
+    assert rows[2]["note"].startswith("out of GPU memory") and rows[2]["tb_per_s"] is None and rows[0]["ratio_to_sdpa"] == 1.0
 
 
 def test_sealing_share_spreads_the_sealing_steps_excess_over_a_block():

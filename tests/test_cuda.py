@@ -335,6 +335,33 @@ def test_bench_decode_runs_the_cases_given():
     assert [(r.context, r.batch) for r in rows] == [(1024, 1), (2048, 1), (1024, 2), (2048, 2)]
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_bench_decode_goes_on_after_an_allocation_fails(graph):
+    """A GPU whose allocator refuses what its driver reports free (a limit under the free
+    memory that `bench decode` sizes its rows by): the row whose allocation fails, eagerly or
+    inside a CUDA graph's capture, says "out of GPU memory"; the bench goes on, and the next
+    case's rows are all timed."""
+    from longctx.bench import bench_decode
+
+    # smollm2 at 1M tokens: SDPA times 4 copies of 768 MiB (3,072 MiB), int4 15 copies of 216 MiB
+    # (3,242 MiB); the dequantizing peer's one call's dense K/V (768 MiB) beside those does not fit
+    torch.cuda.empty_cache()
+    limit = torch.cuda.memory_reserved() + (3242 + 400) * 1024**2
+    torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(0).total_memory)
+    try:
+        rows = bench_decode(formats=("int4",), shape="smollm2-135m", reps=3, graph=graph, cases=[(1 << 20, 1), (4096, 1)])
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    names = ["SDPA dense bf16"] + ([] if graph else ["FlexAttention paged bf16"]) + ["longctx int4", "dequantize-all then SDPA (int4)"]
+    assert [(r.name, r.context) for r in rows] == [(n, T) for T in (1 << 20, 4096) for n in names]
+    big, small = rows[: len(names)], rows[len(names) :]
+    assert big[-1].ms != big[-1].ms and big[-1].note.startswith("out of GPU memory ("), big[-1]
+    assert big[0].ms > 0 and big[-2].ms > 0, big  # SDPA's and int4's copies fit under the limit
+    for r in small:
+        assert 0 < r.ms < 1 and r.note == "", r
+
+
 def test_bench_seal_steps_through_every_layer(monkeypatch):
     """`bench seal` at a small size: a step appends and attends in every layer (the shape's
     30 for SmolLM2 by default), and the timed steps seal once every block_size steps, every

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import typer
@@ -86,19 +87,34 @@ def decode(
 
     def show(case):
         for r in case:
-            console.print(f"  {r.name:34s} ctx {r.context:>7d} B{r.batch}: {r.ms:8.4f} ms  {r.tb_per_s:5.2f} TB/s  x{r.ratio_to_sdpa:5.2f}", highlight=False)
+            timed = f"{r.ms:8.4f} ms  {r.tb_per_s:5.2f} TB/s  x{r.ratio_to_sdpa:5.2f}" if r.ms == r.ms else r.note
+            console.print(f"  {r.name:34s} ctx {r.context:>7d} B{r.batch}: {timed}", highlight=False)
 
     rows = bench_decode(formats=_names(formats), shape=shape, block_size=block_size, peers=not no_peers, progress=show, graph=graph, cases=pairs)
     table = Table(title=f"Decode attention per layer ({shape}), median{', CUDA-graph replays' if graph else ''}")
-    for col in ("kernel", "context", "batch", "ms", "TB/s", "vs SDPA bf16"):
-        table.add_column(col, justify="left" if col == "kernel" else "right")
+    notes = any(r.note for r in rows)  # why a row has no time (out of GPU memory, a peer that failed)
+    for col in ("kernel", "context", "batch", "ms", "TB/s", "vs SDPA bf16") + (("note",) if notes else ()):
+        table.add_column(col, justify="left" if col in ("kernel", "note") else "right")
     for r in rows:
-        table.add_row(r.name, f"{r.context:,}", str(r.batch), f"{r.ms:.4f}", f"{r.tb_per_s:.2f}", f"{r.ratio_to_sdpa:.2f}x")
+        timed = r.ms == r.ms
+        table.add_row(r.name, f"{r.context:,}", str(r.batch), f"{r.ms:.4f}" if timed else "", f"{r.tb_per_s:.2f}" if timed else "",
+                      f"{r.ratio_to_sdpa:.2f}x" if r.ratio_to_sdpa == r.ratio_to_sdpa else "", *((r.note,) if notes else ()))
     console.print(table)
-    if as_json:
-        as_json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
+    _write_json(as_json, rows)
     if plot is not None:
-        _plot_decode(rows, plot, f"Decode attention per layer ({shape}){', CUDA graphs' if graph else ''}")
+        _plot_decode([r for r in rows if r.ms == r.ms], plot, f"Decode attention per layer ({shape}){', CUDA graphs' if graph else ''}")
+
+
+def _write_json(path: Path | None, rows) -> None:
+    """The rows as JSON to `path` (when given): a value that is not a number (nan, a figure
+    the row does not have) is null, so that any JSON reader takes the file."""
+    if path is None:
+        return
+
+    def clean(d: dict) -> dict:
+        return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}
+
+    path.write_text(json.dumps([clean(r.as_dict()) for r in rows], indent=1, allow_nan=False))
 
 
 def _need_matplotlib() -> None:
@@ -153,8 +169,7 @@ def prefill(
     for r in rows:
         table.add_row(r.name, f"{r.context:,}", f"{r.chunk:,}", f"{r.ms:.3f}", f"{r.tok_per_s:,.0f}", f"{r.ratio_to_sdpa:.2f}x")
     Console().print(table)
-    if as_json:
-        as_json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
+    _write_json(as_json, rows)
 
 
 @app.command()
@@ -191,8 +206,7 @@ def seal(
         table.add_row(r.name, f"{r.context:,}", f"{r.attend_ms:.4f}", f"{r.step_ms:.4f}", f"{r.sealing_step_ms:.4f}",
                       f"{r.overhead_pct:+.1f} %", f"{r.append_pct:+.1f} %")
     Console().print(table)
-    if as_json:
-        as_json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
+    _write_json(as_json, rows)
 
 
 @app.command()
@@ -238,5 +252,4 @@ def e2e(
                       f"{r.peak_gib:.1f}", f"{r.ratio_decode:.2f}x", f"{r.ratio_prefill:.2f}x", *sealing,
                       "" if r.compile_s != r.compile_s else f"{r.compile_s:.0f}")
     console.print(table)
-    if as_json:
-        as_json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
+    _write_json(as_json, rows)
