@@ -567,6 +567,7 @@ class E2ERow:
     seal_pct: float = float("nan")  # that excess spread over block_size steps, % of the median step
     compile_s: float = float("nan")  # the compiled peer: its warm-up steps (compiling and recording), s
     recorded: int = 0  # the CUDA-graph row: graphs recorded, its warm-up steps' first one included
+    note: str = ""  # why a row has no figures (nan): the GPU ran out of memory, and where
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -633,7 +634,12 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     `torch.compile(mode="reduce-overhead", fullgraph=True)` (CUDA graphs), the strongest stock
     decode: prefill eager into the static cache, then `STATIC_WARMUP` untimed steps that
     compile and record (`compile_s`), then `new_tokens` timed. Where compiling fails the row is
-    left out with a warning naming the error."""
+    left out with a warning naming the error.
+
+    A cache that runs the GPU out of memory (DynamicCache's 16 GiB of K/V at 128k on a 24 GB
+    card) gets a row with no figures and a note of where it stopped, and the bench goes on
+    with the next cache."""
+    import gc
     import time
 
     from transformers import DynamicCache
@@ -643,6 +649,25 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     cfgs, _, _, _ = _setup("e2e", formats, 64)  # bad names fail before a 16 GB model is built
     model = llama3_8b_shaped(layers, context + 2 * (warmup + new_tokens) + 16, device)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
+
+    rows: list[E2ERow] = []
+    now = {"row": "", "stage": ""}  # the row being measured and where, for an out-of-memory note
+
+    def guarded(measure, *args) -> None:
+        """`measure(*args)`, which appends its rows; when the GPU runs out of memory on the way,
+        the row it was measuring gets no figures and a note instead."""
+        try:
+            measure(*args)
+        except Exception as e:
+            if not _out_of_memory(e):
+                raise
+            nan = float("nan")
+            rows.append(E2ERow(now["row"], context, nan, nan, torch.cuda.max_memory_allocated() / 2**30,
+                               note=f"out of GPU memory in {now['stage']}"))
+            if progress is not None:
+                progress(rows[-1])
+        gc.collect()  # (what the failed row held, before the next one allocates)
+        torch.cuda.empty_cache()
 
     def decode(cache, tok, steps: int, marks: list | None = None, decoder=None):
         """`steps` greedy tokens, eager or from `decoder` (a GraphDecoder over `cache`); with
@@ -668,6 +693,7 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
 
     def timed(name, cache, tok, prefill_s: float, decoder=None):
         """`warmup` untimed steps, then `new_tokens` timed ones: (the row, the last token)."""
+        now["stage"] = "decode" if decoder is None else "decode from CUDA graphs"
         tok = decode(cache, tok, warmup, decoder=decoder)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -687,6 +713,7 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
         """An untimed prefill of up to two chunks into a throwaway cache from `make`, so that the
         timed prefill does not include compiling kernels (Triton's, on their first call in a
         process: seconds at short contexts) or first-use setup."""
+        now["stage"] = "the untimed prefill"
         with torch.inference_mode():
             cache = make()
             for s in range(0, min(context, 2 * chunk), chunk):
@@ -698,12 +725,26 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
-    def run(name, cache) -> list[E2ERow]:
+    def run(name, make) -> None:
+        """The rows of a cache from `make`: prefill and eager decode, and for LongCtxCache decode
+        from CUDA graphs (`graphs`); a warm-up prefill first (`warm`)."""
+        now["row"] = name
+        torch.cuda.reset_peak_memory_stats()
+        warm(make)
+        cache = make()
+        try:
+            _run(name, cache)
+        finally:
+            if isinstance(cache, LongCtxCache):
+                cache.detach()
+
+    def _run(name, cache) -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         with torch.inference_mode():
             for s in range(0, context, chunk):
+                now["stage"] = f"prefill, at token {s:,} of {context:,}"
                 out = model(input_ids=ids[:, s : s + chunk], use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
             tok = out.logits[:, -1:].argmax(-1)
             if isinstance(cache, LongCtxCache):  # seal the prompt's last chunk here, not in the first decode step
@@ -711,20 +752,22 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
             torch.cuda.synchronize()
             prefill_s = time.perf_counter() - t0
             row, tok = timed(name, cache, tok, prefill_s)
+        rows.append(row)
         if not (graphs and isinstance(cache, LongCtxCache)):
-            return [row]
+            return
         from .graphs import GraphDecoder
 
+        now["row"] = f"{name} + CUDA graphs"
         with torch.inference_mode():
             decoder = GraphDecoder(model, cache)
-            graphed, tok = timed(f"{name} + CUDA graphs", cache, tok, prefill_s, decoder)
+            graphed, tok = timed(now["row"], cache, tok, prefill_s, decoder)
         graphed.recorded = decoder.recorded
-        del decoder
-        return [row, graphed]
+        rows.append(graphed)
 
-    def run_static() -> E2ERow:
+    def run_static() -> None:
         from transformers import StaticCache
 
+        now["row"], now["stage"] = "StaticCache + torch.compile (CUDA graphs)", "allocating the static cache"
         cache = StaticCache(config=model.config, max_cache_len=context + STATIC_WARMUP + new_tokens + 1)
         kw = cache_kwargs(model, cache)
         key = cache_kwarg_name(model)  # (named outside the compiled step)
@@ -740,12 +783,14 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
         # ordinary inputs, and tensors made in inference mode cannot be
         with torch.no_grad():
             for s in range(0, context, chunk):
+                now["stage"] = f"prefill, at token {s:,} of {context:,}"
                 e = min(context, s + chunk)
                 out = model(input_ids=ids[:, s:e], cache_position=torch.arange(s, e, device=device), use_cache=True, logits_to_keep=1, **kw)
             tok = out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             prefill_s = time.perf_counter() - t0
             compiled_step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+            now["stage"] = "compiling and recording the decode step"
             pos = context
             t1 = time.perf_counter()
             for _ in range(STATIC_WARMUP):
@@ -753,36 +798,27 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
                 pos += 1
             torch.cuda.synchronize()
             t2 = time.perf_counter()
+            now["stage"] = "decode"
             for _ in range(new_tokens):
                 tok = compiled_step(tok, torch.tensor([pos], device=device), cache).clone()
                 pos += 1
             torch.cuda.synchronize()
             t3 = time.perf_counter()
-        row = E2ERow("StaticCache + torch.compile (CUDA graphs)", context, prefill_s, (t3 - t2) / new_tokens * 1e3,
-                     torch.cuda.max_memory_allocated() / 2**30, compile_s=t2 - t1)
+        row = E2ERow(now["row"], context, prefill_s, (t3 - t2) / new_tokens * 1e3, torch.cuda.max_memory_allocated() / 2**30, compile_s=t2 - t1)
+        rows.append(row)
         if progress is not None:
             progress(row)
-        return row
 
-    warm(lambda: DynamicCache(config=model.config))
-    rows = run("DynamicCache + SDPA", DynamicCache(config=model.config))
-    torch.cuda.empty_cache()
+    guarded(run, "DynamicCache + SDPA", lambda: DynamicCache(config=model.config))
     if compiled:
         try:
-            rows.append(run_static())
+            guarded(run_static)
         except Exception as e:  # (a compiler missing or failing must not cost the other rows)
             warnings.warn(f"bench e2e: StaticCache + torch.compile left out: {type(e).__name__}: {e}", stacklevel=2)
         torch._dynamo.reset()  # frees the compiled step's CUDA graphs and their memory pool
         torch.cuda.empty_cache()
     for cfg in cfgs.values():
-        warm(lambda cfg=cfg: LongCtxCache(model, cfg))
-        cache = LongCtxCache(model, cfg)
-        try:
-            rows += run(f"LongCtxCache {cache.kv_config.describe()}", cache)
-        finally:
-            cache.detach()
-        del cache
-        torch.cuda.empty_cache()
+        guarded(run, f"LongCtxCache {cfg.describe()}", lambda cfg=cfg: LongCtxCache(model, cfg))
     for r in rows:
         r.ratio_decode = rows[0].decode_ms_per_token / r.decode_ms_per_token
         r.ratio_prefill = r.prefill_s / rows[0].prefill_s

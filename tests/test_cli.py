@@ -347,6 +347,66 @@ def test_bench_decode_cli_shows_why_a_row_has_no_time(monkeypatch, tmp_path):
     assert rows[2]["note"].startswith("out of GPU memory") and rows[2]["tb_per_s"] is None and rows[0]["ratio_to_sdpa"] == 1.0
 
 
+def test_bench_e2e_goes_on_after_a_cache_runs_out_of_memory(monkeypatch):
+    """`bench e2e` where DynamicCache runs the GPU out of memory in its prefill (on a 24 GB card at
+    128k): its row has no figures and says where it stopped, LongCtxCache's rows are measured
+    (no ratio to a DynamicCache time that does not exist), and the CLI shows the note. Here on
+    the CPU: a tiny model, CUDA's clock and memory calls stood in for, the out-of-memory error
+    raised by DynamicCache's update past 400 tokens."""
+    import time
+
+    from transformers import DynamicCache
+
+    import longctx.bench as bench
+    from longctx.testing import tiny_llama
+
+    class Event:  # CUDA events on the host's clock
+        def __init__(self, **_):
+            self.t = 0.0
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(bench, "llama3_8b_shaped", lambda layers, max_positions, device: tiny_llama(layers=layers, heads=4, kv_heads=2, head_dim=64))
+    update = DynamicCache.update
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+
+    def full_update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.get_seq_length(layer_idx) + key_states.shape[-2] > 400:
+            raise error
+        return update(self, key_states, value_states, layer_idx, *args, **kwargs)
+
+    monkeypatch.setattr(DynamicCache, "update", full_update)
+    kw = dict(context=640, formats=("int4", "int8"), new_tokens=6, chunk=128, layers=2, device="cpu", warmup=1, graphs=False, compiled=False)
+    rows = bench.bench_e2e(**kw)
+    assert [r.name for r in rows] == ["DynamicCache + SDPA", "LongCtxCache int4", "LongCtxCache int8"]
+    dyn = rows[0]
+    assert dyn.note == "out of GPU memory in prefill, at token 384 of 640", dyn.note  # chunks of 128: 384 + 128 > 400
+    assert all(x != x for x in (dyn.prefill_s, dyn.decode_ms_per_token, dyn.ratio_decode, dyn.ratio_prefill)) and dyn.peak_gib == 3
+    for r in rows[1:]:
+        assert r.note == "" and r.prefill_s > 0 and r.decode_ms_per_token > 0 and r.ratio_decode != r.ratio_decode
+    # another error is no shortage of memory: raised, not a note
+    error = ValueError("a bug of the cache's")
+    with pytest.raises(ValueError, match="a bug of the cache's"):
+        bench.bench_e2e(**kw)
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+    real = bench.bench_e2e
+    monkeypatch.setattr(bench, "bench_e2e", lambda *a, **k: real(*a, **{**k, "device": "cpu", "warmup": 1}))
+    r = runner.invoke(app, ["bench", "e2e", "--context", "640", "--chunk", "128", "--layers", "2", "--new-tokens", "6", "--formats", "int4",
+                            "--no-graphs", "--no-compiled"])
+    assert r.exit_code == 0, r.output
+    assert "DynamicCache + SDPA: out of GPU memory in prefill, at token 384 of 640, peak 3.0 GiB" in r.stdout, r.stdout
+    assert "note" in r.stdout and "nan" not in r.stdout
+
+
 def test_sealing_share_spreads_the_sealing_steps_excess_over_a_block():
     from longctx.bench import sealing_share
 

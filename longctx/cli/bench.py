@@ -240,16 +240,25 @@ def e2e(
         return _print_bench_config("e2e", formats, shape_layers=layers, context=_sizes(context)[0], new_tokens=new_tokens, chunk=chunk, graphs=graphs,
                                    compiled=compiled)
     console = Console()
-    rows = bench_e2e(_sizes(context)[0], _names(formats), new_tokens, chunk, layers, graphs=graphs, compiled=compiled,
-                     progress=lambda r: console.print(f"  {r.name}: prefill {r.prefill_s:.1f} s, decode {r.decode_ms_per_token:.1f} ms/token, peak {r.peak_gib:.1f} GiB", highlight=False))
+
+    def show(r):
+        figures = f"prefill {r.prefill_s:.1f} s, decode {r.decode_ms_per_token:.1f} ms/token" if not r.note else r.note
+        console.print(f"  {r.name}: {figures}, peak {r.peak_gib:.1f} GiB", highlight=False)
+
+    rows = bench_e2e(_sizes(context)[0], _names(formats), new_tokens, chunk, layers, graphs=graphs, compiled=compiled, progress=show)
     table = Table(title=f"End to end, Llama-3-8B shape, {layers} layers, bf16 weights, batch 1")
+    notes = any(r.note for r in rows)  # a cache that ran out of GPU memory, and where
     for col in ("cache", "context", "prefill s", "decode ms/token", "decode tok/s", "peak GiB", "decode vs Dynamic", "prefill vs Dynamic",
-                "sealing step +ms", "sealing adds", "compile s"):
-        table.add_column(col, justify="left" if col == "cache" else "right")
+                "sealing step +ms", "sealing adds", "compile s") + (("note",) if notes else ()):
+        table.add_column(col, justify="left" if col in ("cache", "note") else "right")
+
+    def fig(x: float, fmt: str) -> str:  # "" where a row has no such figure (nan)
+        return "" if x != x else format(x, fmt)
+
     for r in rows:
-        sealing = ("", "") if r.seal_pct != r.seal_pct else (f"{r.seal_extra_ms:+.2f}", f"{r.seal_pct:+.2f} %")  # nan: none
-        table.add_row(r.name, f"{r.context:,}", f"{r.prefill_s:.1f}", f"{r.decode_ms_per_token:.1f}", f"{1e3 / r.decode_ms_per_token:.1f}",
-                      f"{r.peak_gib:.1f}", f"{r.ratio_decode:.2f}x", f"{r.ratio_prefill:.2f}x", *sealing,
-                      "" if r.compile_s != r.compile_s else f"{r.compile_s:.0f}")
+        table.add_row(r.name, f"{r.context:,}", fig(r.prefill_s, ".1f"), fig(r.decode_ms_per_token, ".1f"), fig(1e3 / r.decode_ms_per_token, ".1f"),
+                      f"{r.peak_gib:.1f}", fig(r.ratio_decode, ".2f") + "x" * (r.ratio_decode == r.ratio_decode),
+                      fig(r.ratio_prefill, ".2f") + "x" * (r.ratio_prefill == r.ratio_prefill), fig(r.seal_extra_ms, "+.2f"),
+                      fig(r.seal_pct, "+.2f") + " %" * (r.seal_pct == r.seal_pct), fig(r.compile_s, ".0f"), *((r.note,) if notes else ()))
     console.print(table)
     _write_json(as_json, rows)
