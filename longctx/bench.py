@@ -733,12 +733,12 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
         warm(make)
         cache = make()
         try:
-            _run(name, cache)
+            prefill_and_decode(name, cache)
         finally:
             if isinstance(cache, LongCtxCache):
                 cache.detach()
 
-    def _run(name, cache) -> None:
+    def prefill_and_decode(name, cache) -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
