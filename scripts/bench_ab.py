@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-import longctx.bench as LB
+import longctx.bench.decode as LB  # (bench_decode's module: its synthetic_view is the one to stand in for)
 from longctx.bench import bench_decode
 from scripts.diag_parts import overrides, tuned
 

@@ -245,7 +245,7 @@ def _fake_gpu(monkeypatch, free: int, fail_at: int = 0, error=None) -> list[int]
     """`bench decode` on this machine: a CUDA check that passes, `free` bytes of GPU memory, and
     timers that return 0.5 ms without running the kernels, recording how many copies each row
     timed; the `fail_at`-th timing raises `error` instead."""
-    import longctx.bench as bench
+    import longctx.bench.decode as bench
 
     copies: list[int] = []
 
@@ -358,6 +358,7 @@ def test_bench_e2e_goes_on_after_a_cache_runs_out_of_memory(monkeypatch):
     from transformers import DynamicCache
 
     import longctx.bench as bench
+    import longctx.bench.e2e as e2e
     from longctx.testing import tiny_llama
 
     class Event:  # CUDA events on the host's clock
@@ -375,7 +376,7 @@ def test_bench_e2e_goes_on_after_a_cache_runs_out_of_memory(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 3 * 2**30)
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(bench, "llama3_8b_shaped", lambda layers, max_positions, device: tiny_llama(layers=layers, heads=4, kv_heads=2, head_dim=64))
+    monkeypatch.setattr(e2e, "llama3_8b_shaped", lambda layers, max_positions, device: tiny_llama(layers=layers, heads=4, kv_heads=2, head_dim=64))
     update = DynamicCache.update
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
 

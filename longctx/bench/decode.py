@@ -1,0 +1,192 @@
+"""`bench decode`: per-layer time of one decode step (q_len=1) of each KV format against peer
+kernels, in one process.
+
+Each time is the median over repetitions of a loop over enough copies of the layer's KV
+(distinct memory) that the working set is far larger than L2. Peers: SDPA over dense bf16 K/V
+(PyTorch's flash kernel), FlexAttention paged over bf16 pages (the `flex` backend, eager
+timing only), and "dequantize everything, then SDPA" (how Hugging Face's QuantizedCache reads
+its cache). Results are dataclasses; the CLI renders them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import KVConfig
+from ..ops.pages import PagedView
+from .common import (_fit_copies, _free_bytes, _no_room, _out_of_memory, _setup, _time, _time_graph, copy_view, synthetic_view,
+                     view_bytes, view_nbytes)
+
+
+@dataclass
+class DecodeRow:
+    name: str  # format or peer
+    context: int
+    batch: int
+    ms: float  # per layer, median
+    kv_bytes: int  # bytes of K/V (codes, scales, dense) one step must read
+    ratio_to_sdpa: float = float("nan")  # SDPA dense bf16 time / this time (>1: faster)
+    note: str = ""  # why a row has no time (ms nan): out of GPU memory, a peer that failed
+
+    @property
+    def tb_per_s(self) -> float:
+        return self.kv_bytes / (self.ms / 1e3) / 1e12
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tb_per_s": self.tb_per_s}
+
+
+def _timed_row(name: str, T: int, B: int, kv_bytes: int, measure) -> DecodeRow:
+    """A row from `measure()` (its ms), or, when the GPU runs out of memory on the way, a row
+    that says so and no time, the bench going on with the next."""
+    try:
+        return DecodeRow(name, T, B, measure(), kv_bytes)
+    except Exception as e:
+        if not _out_of_memory(e):
+            raise
+        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"out of GPU memory ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+
+
+def decode_cases(contexts=(), batches=(), cases=None) -> list[tuple[int, int]]:
+    """The (context, batch) pairs `bench_decode` runs, checked: `cases` in their order, or
+    else every context at every batch size."""
+    pairs = [(int(T), int(B)) for T, B in cases] if cases is not None else [(T, B) for B in batches for T in contexts]
+    if not pairs:
+        raise ValueError("bench decode needs at least one context and batch")
+    for T, B in pairs:
+        if T < 1 or B < 1:
+            raise ValueError(f"contexts and batch sizes must be at least 1, got context {T} at batch {B}")
+    return pairs
+
+
+def bench_decode(
+    contexts=(4096, 32768, 131072, 524288),
+    batches=(1,),
+    formats=("int4", "int8", "bf16"),
+    shape: str = "llama-3-8b",
+    block_size: int = 64,
+    peers: bool = True,
+    reps: int = 20,
+    device: str = "cuda",
+    progress=None,
+    graph: bool = False,
+    cases=None,
+) -> list[DecodeRow]:
+    """Per-layer decode latency of each format and peer, for every (context, batch), or for
+    each (context, batch) pair of `cases` in turn when given (instead of the cross product:
+    e.g. batch 1 at 128k and 512k with batch 8 at 32k in one process).
+    graph=True times CUDA-graph replays of every kernel, peers included (no launch overhead).
+
+    Each row times copies of its KV in distinct memory (see `_copies`), as many as fit in the
+    GPU's free memory; a row that does not fit at all gets no time and a note saying what it
+    needed, and the bench goes on with the next row."""
+    import torch.nn.functional as F
+
+    from ..ops.gather_dequant import gather_dequant
+    from ..ops.paged_attention import paged_attention
+
+    pairs = decode_cases(contexts, batches, cases)
+    cfgs, Hq, H, D = _setup("decode", formats, block_size, shape)
+    timer = _time_graph if graph else _time
+    rows: list[DecodeRow] = []
+    for T, B in pairs:
+        q = torch.randn(B, Hq, 1, D, device=device, dtype=torch.bfloat16)
+        case: list[DecodeRow] = []
+        dense_bytes = 2 * B * T * H * D * 2
+        if peers:
+            case.append(_sdpa_row(q, T, B, H, D, timer, reps))
+            if not graph:
+                case.append(_flex_row(q, B, T, H, D, block_size, reps))
+        for name, cfg in cfgs.items():
+            sized = synthetic_view(B, T, H, D, cfg, "meta")
+            label, kv_bytes, copy_bytes = f"longctx {cfg.describe()}", view_bytes(sized), view_nbytes(sized)
+            deq = "dequantize-all then SDPA (int4)" if peers and name == "int4" else None
+            free = _free_bytes(device)
+            L = _fit_copies(copy_bytes, free)
+            if not L:
+                case.append(DecodeRow(label, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free)))
+                if deq:
+                    case.append(DecodeRow(deq, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free, dense_bytes)))
+                continue
+            views: list[PagedView] = []
+
+            def attend():
+                views.append(synthetic_view(B, T, H, D, cfg, device))
+                views.extend(copy_view(views[0]) for _ in range(1, L))
+                return timer(lambda i: paged_attention(q, views[i], backend="triton", return_lse=False), L, reps)
+
+            case.append(_timed_row(label, T, B, kv_bytes, attend))
+            if deq and len(views) == L:
+                # the same copies, as many as leave room for one call's dense K and V
+                n = min(L, _fit_copies(copy_bytes, free, dense_bytes))
+                del views[n:]
+                if not n:
+                    case.append(DecodeRow(deq, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free, dense_bytes)))
+                else:
+                    def deq_all(i):
+                        k, v = gather_dequant(views[i], out_dtype=torch.bfloat16)
+                        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+                    case.append(_timed_row(deq, T, B, kv_bytes, lambda: timer(deq_all, n, max(3, reps // 4))))
+            elif deq:
+                case.append(DecodeRow(deq, T, B, float("nan"), kv_bytes, note=case[-1].note))
+            del views
+            torch.cuda.empty_cache()
+        base = next((r.ms for r in case if r.name == "SDPA dense bf16"), float("nan"))
+        for r in case:
+            r.ratio_to_sdpa = base / r.ms
+        rows.extend(case)
+        if progress is not None:
+            progress(case)
+    return rows
+
+
+def _sdpa_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> DecodeRow:
+    """The SDPA dense bf16 peer (PyTorch's flash kernel over dense K/V), the rows' base."""
+    import torch.nn.functional as F
+
+    name, dense_bytes = "SDPA dense bf16", 2 * B * T * H * D * 2
+    L = _fit_copies(dense_bytes, free := _free_bytes(q.device))
+    if not L:
+        return DecodeRow(name, T, B, float("nan"), dense_bytes, note=_no_room(dense_bytes, free))
+    kvs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def measure():
+        kvs.extend((torch.randn(B, H, T, D, device=q.device, dtype=torch.bfloat16), torch.randn(B, H, T, D, device=q.device, dtype=torch.bfloat16))
+                   for _ in range(L))
+        return timer(lambda i: F.scaled_dot_product_attention(q, kvs[i][0], kvs[i][1], enable_gqa=True), L, reps)
+
+    try:
+        return _timed_row(name, T, B, dense_bytes, measure)
+    finally:
+        del kvs
+        torch.cuda.empty_cache()
+
+
+def _flex_row(q, B: int, T: int, H: int, D: int, block_size: int, reps: int) -> DecodeRow:
+    """The FlexAttention paged bf16 peer (backend "flex" over 16-bit pages). A failure to
+    compile or run is reported in the row's note (time nan), not raised."""
+    from ..ops.paged_attention import paged_attention
+
+    name, cfg = "FlexAttention paged bf16", KVConfig(bits=16, block_size=block_size)
+    sized = synthetic_view(B, T, H, D, cfg, "meta")
+    kv_bytes, copy_bytes = view_bytes(sized), view_nbytes(sized)
+    L = _fit_copies(copy_bytes, free := _free_bytes(q.device))
+    if not L:
+        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free))
+    views: list[PagedView] = []
+
+    def measure():
+        views.append(synthetic_view(B, T, H, D, cfg, q.device))
+        views.extend(copy_view(views[0]) for _ in range(1, L))
+        return _time(lambda i: paged_attention(q, views[i], backend="flex", return_lse=False), L, reps)
+
+    try:
+        return _timed_row(name, T, B, kv_bytes, measure)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run is a finding, shown in the table
+        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+    finally:
+        del views
+        torch.cuda.empty_cache()
