@@ -96,13 +96,17 @@ def decode(
     for col in ("kernel", "context", "batch", "ms", "TB/s", "vs SDPA bf16") + (("note",) if notes else ()):
         table.add_column(col, justify="left" if col in ("kernel", "note") else "right")
     for r in rows:
-        timed = r.ms == r.ms
-        table.add_row(r.name, f"{r.context:,}", str(r.batch), f"{r.ms:.4f}" if timed else "", f"{r.tb_per_s:.2f}" if timed else "",
-                      f"{r.ratio_to_sdpa:.2f}x" if r.ratio_to_sdpa == r.ratio_to_sdpa else "", *((r.note,) if notes else ()))
+        table.add_row(r.name, f"{r.context:,}", str(r.batch), _fig(r.ms, ".4f"), _fig(r.tb_per_s, ".2f"), _fig(r.ratio_to_sdpa, ".2f", "x"),
+                      *((r.note,) if notes else ()))
     console.print(table)
     _write_json(as_json, rows)
     if plot is not None:
         _plot_decode([r for r in rows if r.ms == r.ms], plot, f"Decode attention per layer ({shape}){', CUDA graphs' if graph else ''}")
+
+
+def _fig(x: float, fmt: str, unit: str = "") -> str:
+    """A table cell: `x` formatted with its unit, or empty where the row has no such figure (nan)."""
+    return "" if x != x else format(x, fmt) + unit
 
 
 def _write_json(path: Path | None, rows) -> None:
@@ -251,14 +255,9 @@ def e2e(
     for col in ("cache", "context", "prefill s", "decode ms/token", "decode tok/s", "peak GiB", "decode vs Dynamic", "prefill vs Dynamic",
                 "sealing step +ms", "sealing adds", "compile s") + (("note",) if notes else ()):
         table.add_column(col, justify="left" if col in ("cache", "note") else "right")
-
-    def fig(x: float, fmt: str) -> str:  # "" where a row has no such figure (nan)
-        return "" if x != x else format(x, fmt)
-
     for r in rows:
-        table.add_row(r.name, f"{r.context:,}", fig(r.prefill_s, ".1f"), fig(r.decode_ms_per_token, ".1f"), fig(1e3 / r.decode_ms_per_token, ".1f"),
-                      f"{r.peak_gib:.1f}", fig(r.ratio_decode, ".2f") + "x" * (r.ratio_decode == r.ratio_decode),
-                      fig(r.ratio_prefill, ".2f") + "x" * (r.ratio_prefill == r.ratio_prefill), fig(r.seal_extra_ms, "+.2f"),
-                      fig(r.seal_pct, "+.2f") + " %" * (r.seal_pct == r.seal_pct), fig(r.compile_s, ".0f"), *((r.note,) if notes else ()))
+        table.add_row(r.name, f"{r.context:,}", _fig(r.prefill_s, ".1f"), _fig(r.decode_ms_per_token, ".1f"), _fig(1e3 / r.decode_ms_per_token, ".1f"),
+                      f"{r.peak_gib:.1f}", _fig(r.ratio_decode, ".2f", "x"), _fig(r.ratio_prefill, ".2f", "x"), _fig(r.seal_extra_ms, "+.2f"),
+                      _fig(r.seal_pct, "+.2f", " %"), _fig(r.compile_s, ".0f"), *((r.note,) if notes else ()))
     console.print(table)
     _write_json(as_json, rows)
