@@ -177,15 +177,22 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
             if isinstance(cache, LongCtxCache):
                 cache.detach()
 
-    def prefill_and_decode(name, cache) -> None:
+    def prefill(kw: dict, positions: bool = False):
+        """The prompt in chunks into the cache `kw` passes (each chunk's cache_position too with
+        `positions`, as StaticCache needs): (the next token, the time it started)."""
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
+        for s in range(0, context, chunk):
+            now["stage"] = f"prefill, at token {s:,} of {context:,}"
+            e = min(context, s + chunk)
+            at = {"cache_position": torch.arange(s, e, device=device)} if positions else {}
+            out = model(input_ids=ids[:, s:e], use_cache=True, logits_to_keep=1, **at, **kw)
+        return out.logits[:, -1:].argmax(-1), t0
+
+    def prefill_and_decode(name, cache) -> None:
         with torch.inference_mode():
-            for s in range(0, context, chunk):
-                now["stage"] = f"prefill, at token {s:,} of {context:,}"
-                out = model(input_ids=ids[:, s : s + chunk], use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
-            tok = out.logits[:, -1:].argmax(-1)
+            tok, t0 = prefill(cache_kwargs(model, cache))
             if isinstance(cache, LongCtxCache):  # seal the prompt's last chunk here, not in the first decode step
                 cache.paged.seal()
             torch.cuda.synchronize()
@@ -215,17 +222,10 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
             out = model(input_ids=tok, cache_position=pos, use_cache=True, **{key: cache})
             return out.logits[:, -1:].argmax(-1)
 
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
         # no_grad, not inference_mode: the compiled step's CUDA graphs take the cache's tensors as
         # ordinary inputs, and tensors made in inference mode cannot be
         with torch.no_grad():
-            for s in range(0, context, chunk):
-                now["stage"] = f"prefill, at token {s:,} of {context:,}"
-                e = min(context, s + chunk)
-                out = model(input_ids=ids[:, s:e], cache_position=torch.arange(s, e, device=device), use_cache=True, logits_to_keep=1, **kw)
-            tok = out.logits[:, -1:].argmax(-1)
+            tok, t0 = prefill(kw, positions=True)
             torch.cuda.synchronize()
             prefill_s = time.perf_counter() - t0
             compiled_step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
