@@ -359,7 +359,7 @@ def test_bench_decode_goes_on_after_an_allocation_fails(graph):
     assert big[-1].ms != big[-1].ms and big[-1].note.startswith("out of GPU memory ("), big[-1]
     assert big[0].ms > 0 and big[-2].ms > 0, big  # SDPA's and int4's copies fit under the limit
     for r in small:
-        assert 0 < r.ms < 1 and r.note == "", r
+        assert 0 < r.ms < 1e3 and r.note == "", r  # (FlexAttention times eagerly)
 
 
 def test_bench_seal_steps_through_every_layer(monkeypatch):
