@@ -38,6 +38,27 @@ class DecodeRow:
         return {**asdict(self), "tb_per_s": self.tb_per_s}
 
 
+def _error_line(e: BaseException) -> str:
+    """An error for a row's note: its type and the first line of its message (at most 80
+    characters; a message may be empty)."""
+    first = str(e).splitlines()[:1]
+    return f"{type(e).__name__}: {first[0][:80]}" if first else type(e).__name__
+
+
+def _sizes(B: int, T: int, H: int, D: int, cfg: KVConfig) -> tuple[int, int]:
+    """(bytes a step reads, bytes a copy holds) of the bench's view in `cfg`, from a view on the
+    "meta" device: known before a copy is drawn."""
+    sized = synthetic_view(B, T, H, D, cfg, "meta")
+    return view_bytes(sized), view_nbytes(sized)
+
+
+def _fill(views: list[PagedView], n: int, B: int, T: int, H: int, D: int, cfg: KVConfig, device) -> None:
+    """Appends to `views` a synthetic view and n - 1 copies of it, each in memory of its own. The
+    list is the caller's, so that what was built before an out-of-memory error goes with it."""
+    views.append(synthetic_view(B, T, H, D, cfg, device))
+    views.extend(copy_view(views[0]) for _ in range(1, n))
+
+
 def _timed_row(name: str, T: int, B: int, kv_bytes: int, measure) -> DecodeRow:
     """A row from `measure()` (its ms), or, when the GPU runs out of memory on the way, a row
     that says so and no time, the bench going on with the next."""
@@ -46,7 +67,7 @@ def _timed_row(name: str, T: int, B: int, kv_bytes: int, measure) -> DecodeRow:
     except Exception as e:
         if not _out_of_memory(e):
             raise
-        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"out of GPU memory ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"out of GPU memory ({_error_line(e)})")
 
 
 def decode_cases(contexts=(), batches=(), cases=None) -> list[tuple[int, int]]:
@@ -100,8 +121,7 @@ def bench_decode(
             if not graph:
                 case.append(_flex_row(q, B, T, H, D, block_size, reps))
         for name, cfg in cfgs.items():
-            sized = synthetic_view(B, T, H, D, cfg, "meta")
-            label, kv_bytes, copy_bytes = f"longctx {cfg.describe()}", view_bytes(sized), view_nbytes(sized)
+            label, (kv_bytes, copy_bytes) = f"longctx {cfg.describe()}", _sizes(B, T, H, D, cfg)
             deq = "dequantize-all then SDPA (int4)" if peers and name == "int4" else None
             free = _free_bytes(device)
             L = _fit_copies(copy_bytes, free)
@@ -113,8 +133,7 @@ def bench_decode(
             views: list[PagedView] = []
 
             def attend():
-                views.append(synthetic_view(B, T, H, D, cfg, device))
-                views.extend(copy_view(views[0]) for _ in range(1, L))
+                _fill(views, L, B, T, H, D, cfg, device)
                 return timer(lambda i: paged_attention(q, views[i], backend="triton", return_lse=False), L, reps)
 
             case.append(_timed_row(label, T, B, kv_bytes, attend))
@@ -171,22 +190,20 @@ def _flex_row(q, B: int, T: int, H: int, D: int, block_size: int, reps: int) -> 
     from ..ops.paged_attention import paged_attention
 
     name, cfg = "FlexAttention paged bf16", KVConfig(bits=16, block_size=block_size)
-    sized = synthetic_view(B, T, H, D, cfg, "meta")
-    kv_bytes, copy_bytes = view_bytes(sized), view_nbytes(sized)
+    kv_bytes, copy_bytes = _sizes(B, T, H, D, cfg)
     L = _fit_copies(copy_bytes, free := _free_bytes(q.device))
     if not L:
         return DecodeRow(name, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free))
     views: list[PagedView] = []
 
     def measure():
-        views.append(synthetic_view(B, T, H, D, cfg, q.device))
-        views.extend(copy_view(views[0]) for _ in range(1, L))
+        _fill(views, L, B, T, H, D, cfg, q.device)
         return _time(lambda i: paged_attention(q, views[i], backend="flex", return_lse=False), L, reps)
 
     try:
         return _timed_row(name, T, B, kv_bytes, measure)
     except Exception as e:  # noqa: BLE001 - a peer that cannot run is a finding, shown in the table
-        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"failed ({_error_line(e)})")
     finally:
         del views
         torch.cuda.empty_cache()
