@@ -53,7 +53,8 @@ def test_known_errors_are_one_line_with_exit_code_2():
              ["bench", "decode", "--contexts", "0"],
              ["bench", "e2e", "--formats", "int5"], ["bench", "prefill", "--formats", "int5"], ["bench", "prefill", "--paths", "fast"],
              ["bench", "prefill", "--chunks", "1"], ["bench", "seal", "--formats", "int5"], ["bench", "seal", "--layers", "0"],
-             ["bench", "seal", "--context", "0"]]
+             ["bench", "seal", "--context", "0"], ["bench", "e2e", "--context", "0"], ["bench", "e2e", "--chunk", "0"],
+             ["bench", "e2e", "--new-tokens", "0"], ["bench", "e2e", "--layers", "0"], ["bench", "prefill", "--contexts", "0"]]
     if not has_quanto():
         cases.append(["eval", "quality", "--quanto"])  # before the model loads or any format runs
     for args in cases:
@@ -62,6 +63,10 @@ def test_known_errors_are_one_line_with_exit_code_2():
             assert "pip install optimum-quanto" in line, line
         if args[:2] == ["bench", "seal"] and args[2] in ("--layers", "--context"):  # checked before the CUDA check
             assert f"{args[2][2:]} must be at least 1" in line, line
+        if args[:2] == ["bench", "e2e"] and args[2] != "--formats":  # before the CUDA check and the 16 GB model
+            assert f"{args[2][2:].replace('-', '_')} must be at least 1, got 0" in line, line
+        if args[:3] == ["bench", "prefill", "--contexts"]:
+            assert "contexts must be at least 1 token" in line, line
 
 
 def test_bench_decode_cases_parse_into_context_batch_pairs():

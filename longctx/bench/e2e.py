@@ -85,7 +85,11 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
 
     from ..integrations.transformers import LongCtxCache, cache_kwarg_name, cache_kwargs
 
-    cfgs, _, _, _ = _setup("e2e", formats, 64)  # bad names fail before a 16 GB model is built
+    for what, n, least in (("context", context, 1), ("chunk", chunk, 1), ("new_tokens", new_tokens, 1), ("layers", layers, 1),
+                            ("warmup", warmup, 0)):
+        if n < least:
+            raise ValueError(f"{what} must be at least {least}, got {n}")
+    cfgs, _, _, _ = _setup("e2e", formats, 64)  # bad values and names fail before a 16 GB model is built
     model = llama3_8b_shaped(layers, context + 2 * (warmup + new_tokens) + 16, device)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
 

@@ -40,6 +40,8 @@ def bench_prefill(contexts=(32768, 131072), chunks=(16384,), formats=("int4", "i
     for path in paths:
         if path not in ("kernel", "staged"):
             raise ValueError(f"prefill paths are 'kernel' and 'staged', got {path!r}")
+    if any(T < 1 for T in contexts):
+        raise ValueError(f"prefill contexts must be at least 1 token, got {list(contexts)}")
     if any(c < 2 for c in chunks):  # chunks longer than a context are cut to it
         raise ValueError(f"prefill chunks must be at least 2 tokens (one token is a decode step), got {list(chunks)}")
     cfgs, Hq, H, D = _setup("prefill", formats, block_size, shape)
