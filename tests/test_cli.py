@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from longctx.cli import app
 from longctx.eval import has_quanto
 
-runner = CliRunner(env={"COLUMNS": "200"})  # rich wraps at 80 columns otherwise
+runner = CliRunner(env={"COLUMNS": "200"})  # rich wraps prose at 80 columns otherwise
+runner80 = CliRunner(env={"COLUMNS": "80"})  # the width rich assumes off a terminal
 
 
 def test_help_lists_commands():
@@ -342,9 +343,13 @@ def test_bench_decode_cli_shows_why_a_row_has_no_time(monkeypatch, tmp_path):
     _fake_gpu(monkeypatch, bench._SLACK + 100 * 1024**2)
     monkeypatch.setattr(bench, "bench_decode", functools.partial(bench.bench_decode, device="cpu"))
     out = tmp_path / "rows.json"
-    r = runner.invoke(app, ["bench", "decode", "--cases", "1k:1,1024k:1", "--formats", "int8", "--shape", "smollm2-135m", "--graph", "--json", str(out)])
+    r = runner80.invoke(app, ["bench", "decode", "--cases", "1k:1,1024k:1", "--formats", "int8", "--shape", "smollm2-135m", "--graph", "--json", str(out)])
     assert r.exit_code == 0, r.output
-    assert "out of GPU memory: needs 1 copy of 0.8 GiB" in r.stdout
+    lines = r.stdout.splitlines()
+    for name, copies in (("SDPA dense bf16", "1 copy of 0.8 GiB"), ("longctx int8", "2 copies of 0.4 GiB")):
+        note = f"out of GPU memory: needs {copies} + 0.5 GiB of workspace, 0.6 GiB free"
+        assert any(line.startswith(f"  {name} ") and line.endswith("ctx 1048576 B1: " + note) for line in lines), r.stdout  # progress: one line
+        assert any(line.startswith(f"│ {name} ") and "1,048,576" in line and note in line for line in lines), r.stdout  # the table's row, whole
     text = out.read_text()
     assert "NaN" not in text
     rows = json.loads(text)
@@ -406,11 +411,55 @@ def test_bench_e2e_goes_on_after_a_cache_runs_out_of_memory(monkeypatch):
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
     real = bench.bench_e2e
     monkeypatch.setattr(bench, "bench_e2e", lambda *a, **k: real(*a, **{**k, "device": "cpu", "warmup": 1}))
-    r = runner.invoke(app, ["bench", "e2e", "--context", "640", "--chunk", "128", "--layers", "2", "--new-tokens", "6", "--formats", "int4",
-                            "--no-graphs", "--no-compiled"])
+    r = runner80.invoke(app, ["bench", "e2e", "--context", "640", "--chunk", "128", "--layers", "2", "--new-tokens", "6", "--formats", "int4",
+                              "--no-graphs", "--no-compiled"])
     assert r.exit_code == 0, r.output
-    assert "DynamicCache + SDPA: out of GPU memory in prefill, at token 384 of 640, peak 3.0 GiB" in r.stdout, r.stdout
+    lines = r.stdout.splitlines()
+    assert "  DynamicCache + SDPA: out of GPU memory in prefill, at token 384 of 640, peak 3.0 GiB" in lines, r.stdout
+    row = next(line for line in lines if line.startswith("│ DynamicCache + SDPA "))  # the table's row: every cell whole at 80 columns
+    assert [c.strip() for c in row.strip("│").split("│")] == ["DynamicCache + SDPA", "640"] + [""] * 3 + ["3.0"] + [""] * 5 + [dyn.note], row
     assert "note" in r.stdout and "nan" not in r.stdout
+
+
+def test_wide_tables_print_every_cell_whole_at_80_columns():
+    """Rich fits a table to the console by cutting cells ("Dyn…"); at 80 columns (a narrow
+    terminal, or any pipe, where rich assumes 80) bench e2e's eleven columns were all cut.
+    `show_table` prints a table whole off a terminal, on its side on a terminal too narrow for
+    it, and as rich does where it fits or where neither way fits."""
+    import io
+
+    from rich.console import Console
+
+    from longctx.cli.tables import _table, show_table
+
+    cols = ("cache",) + tuple(f"figure {i}" for i in range(10))
+    rows = [(name,) + tuple(f"{k + i * 1.5:.2f}x" for i in range(10)) for k, name in enumerate(("DynamicCache + SDPA", "LongCtxCache int4 + CUDA graphs"))]
+
+    def printed(show, rows=rows, terminal=True, width=80):
+        f = io.StringIO()
+        show(Console(file=f, width=width, force_terminal=terminal, color_system=None), rows)
+        return f.getvalue()
+
+    def ours(console, rows):
+        show_table("bench", cols, rows, left=("cache",), console=console)
+
+    def rich(console, rows):
+        console.print(_table("bench", cols, rows, ("cache",)))
+
+    def cells(line):
+        return [c.strip() for c in line.strip("│").split("│")]
+
+    assert "…" in printed(rich) and "…" in printed(rich, terminal=False)  # what rich alone does at 80 columns
+    lines = printed(ours, terminal=False).splitlines()  # off a terminal: a line a row, at the table's width
+    for row in rows:
+        assert cells(next(line for line in lines if line.startswith("│ " + row[0]))) == list(row)
+    lines = printed(ours).splitlines()  # a terminal: on its side, within 80 columns
+    assert "…" not in "".join(lines) and max(map(len, lines)) <= 80
+    for i, col in enumerate(cols[1:], 1):
+        assert cells(next(line for line in lines if line.startswith(f"│ {col} "))) == [col] + [row[i] for row in rows]
+    assert printed(ours, width=300) == printed(rich, width=300)  # it fits: as rich prints it
+    many = [(f"a kernel of a long name {k}",) + row[1:] for k in range(12) for row in rows[:1]]
+    assert printed(ours, many) == printed(rich, many)  # neither way fits 80 columns: rich's own
 
 
 def test_sealing_share_spreads_the_sealing_steps_excess_over_a_block():

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from .options import print_config, print_config_option
+from .tables import show_table
 
 app = typer.Typer(help="Measure speed on a GPU (same-process peers, ratios to SDPA dense bf16).", no_args_is_help=True)
 
@@ -88,17 +88,14 @@ def decode(
     def show(case):
         for r in case:
             timed = f"{r.ms:8.4f} ms  {r.tb_per_s:5.2f} TB/s  x{r.ratio_to_sdpa:5.2f}" if r.ms == r.ms else r.note
-            console.print(f"  {r.name:34s} ctx {r.context:>7d} B{r.batch}: {timed}", highlight=False)
+            console.print(f"  {r.name:34s} ctx {r.context:>7d} B{r.batch}: {timed}", highlight=False, soft_wrap=True)
 
     rows = bench_decode(formats=_names(formats), shape=shape, block_size=block_size, peers=not no_peers, progress=show, graph=graph, cases=pairs)
-    table = Table(title=f"Decode attention per layer ({shape}), median{', CUDA-graph replays' if graph else ''}")
     notes = any(r.note for r in rows)  # why a row has no time (out of GPU memory, a peer that failed)
-    for col in ("kernel", "context", "batch", "ms", "TB/s", "vs SDPA bf16") + (("note",) if notes else ()):
-        table.add_column(col, justify="left" if col in ("kernel", "note") else "right")
-    for r in rows:
-        table.add_row(r.name, f"{r.context:,}", str(r.batch), _fig(r.ms, ".4f"), _fig(r.tb_per_s, ".2f"), _fig(r.ratio_to_sdpa, ".2f", "x"),
-                      *((r.note,) if notes else ()))
-    console.print(table)
+    show_table(f"Decode attention per layer ({shape}), median{', CUDA-graph replays' if graph else ''}",
+               ("kernel", "context", "batch", "ms", "TB/s", "vs SDPA bf16") + (("note",) if notes else ()),
+               [(r.name, f"{r.context:,}", str(r.batch), _fig(r.ms, ".4f"), _fig(r.tb_per_s, ".2f"), _fig(r.ratio_to_sdpa, ".2f", "x"),
+                 *((r.note,) if notes else ())) for r in rows], left=("kernel", "note"), console=console)
     _write_json(as_json, rows)
     if plot is not None:
         _plot_decode([r for r in rows if r.ms == r.ms], plot, f"Decode attention per layer ({shape}){', CUDA graphs' if graph else ''}")
@@ -167,12 +164,9 @@ def prefill(
     if show_config:
         return _print_bench_config("prefill", formats, block_size, shape, contexts=_sizes(contexts), chunks=_sizes(chunks), paths=_names(paths))
     rows = bench_prefill(_sizes(contexts), _sizes(chunks), _names(formats), shape, block_size, paths=_names(paths))
-    table = Table(title=f"Prefill chunk per layer ({shape}), median")
-    for col in ("kernel", "context", "chunk", "ms", "tokens/s", "vs SDPA bf16"):
-        table.add_column(col, justify="left" if col == "kernel" else "right")
-    for r in rows:
-        table.add_row(r.name, f"{r.context:,}", f"{r.chunk:,}", f"{r.ms:.3f}", f"{r.tok_per_s:,.0f}", f"{r.ratio_to_sdpa:.2f}x")
-    Console().print(table)
+    show_table(f"Prefill chunk per layer ({shape}), median", ("kernel", "context", "chunk", "ms", "tokens/s", "vs SDPA bf16"),
+               [(r.name, f"{r.context:,}", f"{r.chunk:,}", f"{r.ms:.3f}", f"{r.tok_per_s:,.0f}", f"{r.ratio_to_sdpa:.2f}x") for r in rows],
+               left=("kernel",))
     _write_json(as_json, rows)
 
 
@@ -203,13 +197,10 @@ def seal(
                                    layers=SHAPES[shape]["layers"] if layers is None and shape in SHAPES else layers)
     rows = bench_seal(_sizes(context)[0], _names(formats), shape, block_size=block_size, layers=layers)
     L = rows[0].layers if rows else layers
-    table = Table(title=f"Decode step ({shape}, {L} layers): append + attend, with one seal every {block_size} steps")
-    for col in ("format", "context", "attend ms", "step ms (no seal)", "sealing step ms", "sealing adds", "appending adds"):
-        table.add_column(col, justify="left" if col == "format" else "right")
-    for r in rows:
-        table.add_row(r.name, f"{r.context:,}", f"{r.attend_ms:.4f}", f"{r.step_ms:.4f}", f"{r.sealing_step_ms:.4f}",
-                      f"{r.overhead_pct:+.1f} %", f"{r.append_pct:+.1f} %")
-    Console().print(table)
+    show_table(f"Decode step ({shape}, {L} layers): append + attend, with one seal every {block_size} steps",
+               ("format", "context", "attend ms", "step ms (no seal)", "sealing step ms", "sealing adds", "appending adds"),
+               [(r.name, f"{r.context:,}", f"{r.attend_ms:.4f}", f"{r.step_ms:.4f}", f"{r.sealing_step_ms:.4f}", f"{r.overhead_pct:+.1f} %",
+                 f"{r.append_pct:+.1f} %") for r in rows], left=("format",))
     _write_json(as_json, rows)
 
 
@@ -247,17 +238,15 @@ def e2e(
 
     def show(r):
         figures = f"prefill {r.prefill_s:.1f} s, decode {r.decode_ms_per_token:.1f} ms/token" if not r.note else r.note
-        console.print(f"  {r.name}: {figures}, peak {r.peak_gib:.1f} GiB", highlight=False)
+        console.print(f"  {r.name}: {figures}, peak {r.peak_gib:.1f} GiB", highlight=False, soft_wrap=True)
 
     rows = bench_e2e(_sizes(context)[0], _names(formats), new_tokens, chunk, layers, graphs=graphs, compiled=compiled, progress=show)
-    table = Table(title=f"End to end, Llama-3-8B shape, {layers} layers, bf16 weights, batch 1")
     notes = any(r.note for r in rows)  # a cache that ran out of GPU memory, and where
-    for col in ("cache", "context", "prefill s", "decode ms/token", "decode tok/s", "peak GiB", "decode vs Dynamic", "prefill vs Dynamic",
-                "sealing step +ms", "sealing adds", "compile s") + (("note",) if notes else ()):
-        table.add_column(col, justify="left" if col in ("cache", "note") else "right")
-    for r in rows:
-        table.add_row(r.name, f"{r.context:,}", _fig(r.prefill_s, ".1f"), _fig(r.decode_ms_per_token, ".1f"), _fig(1e3 / r.decode_ms_per_token, ".1f"),
-                      f"{r.peak_gib:.1f}", _fig(r.ratio_decode, ".2f", "x"), _fig(r.ratio_prefill, ".2f", "x"), _fig(r.seal_extra_ms, "+.2f"),
-                      _fig(r.seal_pct, "+.2f", " %"), _fig(r.compile_s, ".0f"), *((r.note,) if notes else ()))
-    console.print(table)
+    show_table(f"End to end, Llama-3-8B shape, {layers} layers, bf16 weights, batch 1",
+               ("cache", "context", "prefill s", "decode ms/token", "decode tok/s", "peak GiB", "decode vs Dynamic", "prefill vs Dynamic",
+                "sealing step +ms", "sealing adds", "compile s") + (("note",) if notes else ()),
+               [(r.name, f"{r.context:,}", _fig(r.prefill_s, ".1f"), _fig(r.decode_ms_per_token, ".1f"), _fig(1e3 / r.decode_ms_per_token, ".1f"),
+                 f"{r.peak_gib:.1f}", _fig(r.ratio_decode, ".2f", "x"), _fig(r.ratio_prefill, ".2f", "x"), _fig(r.seal_extra_ms, "+.2f"),
+                 _fig(r.seal_pct, "+.2f", " %"), _fig(r.compile_s, ".0f"), *((r.note,) if notes else ())) for r in rows],
+               left=("cache", "note"), console=console)
     _write_json(as_json, rows)
