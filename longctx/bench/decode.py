@@ -45,6 +45,11 @@ def _error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[0][:80]}" if first else type(e).__name__
 
 
+def _dense_bytes(B: int, T: int, H: int, D: int) -> int:
+    """Bytes of dense bf16 K and V: what SDPA reads a step, and what dequantizing all allocates."""
+    return 2 * B * T * H * D * 2
+
+
 def _sizes(B: int, T: int, H: int, D: int, cfg: KVConfig) -> tuple[int, int]:
     """(bytes a step reads, bytes a copy holds) of the bench's view in `cfg`, from a view on the
     "meta" device: known before a copy is drawn."""
@@ -115,7 +120,7 @@ def bench_decode(
     for T, B in pairs:
         q = torch.randn(B, Hq, 1, D, device=device, dtype=torch.bfloat16)
         case: list[DecodeRow] = []
-        dense_bytes = 2 * B * T * H * D * 2
+        dense_bytes = _dense_bytes(B, T, H, D)
         if peers:
             case.append(_sdpa_row(q, T, B, H, D, timer, reps))
             if not graph:
@@ -166,7 +171,7 @@ def _sdpa_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> DecodeRow:
     """The SDPA dense bf16 peer (PyTorch's flash kernel over dense K/V), the rows' base."""
     import torch.nn.functional as F
 
-    name, dense_bytes = "SDPA dense bf16", 2 * B * T * H * D * 2
+    name, dense_bytes = "SDPA dense bf16", _dense_bytes(B, T, H, D)
     L = _fit_copies(dense_bytes, free := _free_bytes(q.device))
     if not L:
         return DecodeRow(name, T, B, float("nan"), dense_bytes, note=_no_room(dense_bytes, free))
