@@ -156,7 +156,7 @@ def bench_decode(
                     case.append(_timed_row(deq, T, B, kv_bytes, lambda: timer(deq_all, n, max(3, reps // 4))))
             elif deq:
                 case.append(DecodeRow(deq, T, B, float("nan"), kv_bytes, note=case[-1].note))
-            del views
+            views.clear()  # (the copies, before the allocator is emptied)
             torch.cuda.empty_cache()
         base = next((r.ms for r in case if r.name == "SDPA dense bf16"), float("nan"))
         for r in case:
@@ -185,7 +185,7 @@ def _sdpa_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> DecodeRow:
     try:
         return _timed_row(name, T, B, dense_bytes, measure)
     finally:
-        del kvs
+        kvs.clear()
         torch.cuda.empty_cache()
 
 
@@ -210,5 +210,5 @@ def _flex_row(q, B: int, T: int, H: int, D: int, block_size: int, reps: int) -> 
     except Exception as e:  # noqa: BLE001 - a peer that cannot run is a finding, shown in the table
         return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"failed ({_error_line(e)})")
     finally:
-        del views
+        views.clear()
         torch.cuda.empty_cache()
