@@ -151,6 +151,47 @@ def test_plan_bad_inputs_are_one_line_errors(tmp_path):
         assert expect in one_line_error(runner.invoke(app, list(args)), args)
 
 
+def _command_paths(group, path=()):
+    for name, cmd in group.commands.items():
+        if hasattr(cmd, "commands"):
+            yield from _command_paths(cmd, path + (name,))
+        else:
+            yield path + (name,)
+
+
+def test_every_help_text_wraps_its_prose_evenly_at_80_columns():
+    """Each prose paragraph of a command's help is wrapped by rich, not by the docstring's own
+    line breaks: no line could have taken the next line's first word (greedy wrapping). Example
+    paragraphs keep one command a line, and nothing of the docstring is lost."""
+    import inspect
+
+    import typer
+
+    from longctx.cli import _reflowed
+
+    paths = list(_command_paths(typer.main.get_command(app)))
+    assert ("bench", "seal") in paths and ("chat",) in paths and len(paths) >= 9
+    for path in paths:
+        out = runner80.invoke(app, [*path, "--help"]).stdout
+        lines = out.splitlines()
+        start = next(i for i, line in enumerate(lines) if "Usage:" in line) + 1
+        end = next(i for i, line in enumerate(lines) if line.startswith("╭"))
+        text = "\n".join(line.strip() for line in lines[start:end]).strip()
+        for paragraph in text.split("\n\n"):
+            if paragraph.startswith("Example"):  # each command begins a line, as in the docstring
+                rows = [row.removeprefix("Example: ") for row in paragraph.splitlines()]
+                assert sum(row.startswith("longctx ") for row in rows) == paragraph.count("longctx "), (path, paragraph)
+                continue
+            rows = paragraph.splitlines()
+            for row, after in zip(rows, rows[1:]):
+                assert len(row) + 1 + len(after.split()[0]) > 78, (path, row, after)
+        callback = typer.main.get_command(app)
+        for name in path:
+            callback = callback.commands[name]
+        doc = _reflowed(inspect.getdoc(callback.callback))
+        assert " ".join(text.split()) == " ".join(doc.split()), path
+
+
 def test_plan_list_and_help():
     r = runner.invoke(app, ["plan", "--list"])
     assert r.exit_code == 0 and "llama-3.1-8b" in r.stdout and "rtx-4090" in r.stdout

@@ -7,6 +7,7 @@ on stderr with exit code 2, instead of a traceback.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import typer
 
@@ -50,8 +51,20 @@ def _one_line_errors(fn):
     return wrapper
 
 
+def _reflowed(doc: str | None) -> str | None:
+    """A command's docstring as its help: each prose paragraph on one line, so that rich wraps it
+    to the terminal (typer keeps a paragraph's line breaks after the first, which left the
+    source's breaks in the middle of rich's lines). Paragraphs that begin with "Example" keep
+    their lines: one command a line."""
+    if not doc:
+        return doc
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(p if p.startswith("Example") else " ".join(p.split()) for p in paragraphs)
+
+
 for _typer in (app, eval_app, bench_app):
     for _cmd in _typer.registered_commands:
+        _cmd.help = _cmd.help or _reflowed(inspect.getdoc(_cmd.callback))
         _cmd.callback = _one_line_errors(_cmd.callback)
 
 
