@@ -102,6 +102,11 @@ class ChatSession:
         """Prefill the conversation so far (e.g. a long system document) before any
         question, so the first turn only prefills its own tokens. Returns tokens fed."""
         new = self._sync_prefix(self._render(generation_prompt=False))
+        if self.max_context is not None and len(self.cached_ids) + len(new) > self.max_context:
+            raise ValueError(
+                f"the system prompt and document are {len(self.cached_ids) + len(new):,} tokens; --max-context is "
+                f"{self.max_context:,}. Raise --max-context (longctx plan shows what fits) or shorten the document"
+            )
         t0 = time.perf_counter()
         self._feed(new, on_prefill)
         self.last = GenerationStats(prompt_tokens=len(new), prefill_s=time.perf_counter() - t0)

@@ -259,6 +259,36 @@ def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation(tmp_path, reuse
     assert "Name a color." in text and answers[1].strip()  # and the chat went on
 
 
+def test_chat_max_context_refuses_what_does_not_fit_before_prefilling_it(tmp_path, reuse_model, monkeypatch):
+    """A document longer than --max-context is refused before any of it is prefilled (one line,
+    exit 2); in a chat, a turn that would not fit is refused, the cache keeps what it held, and
+    the chat goes on."""
+    import longctx.chat
+
+    real_prefill, fed = longctx.chat.prefill, []
+
+    def counting_prefill(model, cache, ids, **kwargs):
+        fed.append(ids.shape[1])
+        return real_prefill(model, cache, ids, **kwargs)
+
+    monkeypatch.setattr(longctx.chat, "prefill", counting_prefill)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(["the long report goes on"] * 600), encoding="utf-8")
+    args = ["chat", "--file", str(doc), "--max-context", "2000", "--prompt", "Summarize."]
+    line = one_line_error(runner.invoke(app, args), args)
+    assert "--max-context is 2,000" in line and "document" in line and fed == []
+
+    long_turn = " ".join(["and then"] * 200)
+    script = f"Hi.\n{long_turn}\n/stats\nName a color.\n/exit\n"
+    r = runner.invoke(app, ["chat", "--temperature", "0", "--max-new-tokens", "8", "--max-context", "200"], input=script)
+    assert r.exit_code == 0, r.output
+    assert "error: this turn needs" in r.stdout and "--max-context is 200" in r.stdout
+    assert len(fed) == 2 and max(fed) < 100  # the two short turns, not the long one
+    history = int(r.stdout.split("(history ")[1].split(",")[0])
+    tokens_row = next(line for line in r.stdout.split("Cache and speed")[1].splitlines() if "│ tokens " in line)
+    assert history == fed[0] + 8 and tokens_row.split("│")[2].strip() == str(history)  # the refusal changed nothing
+
+
 def test_chat_bad_inputs_are_one_line_errors(tmp_path):
     for args in (["chat", "--kv-bits", "3", "--prompt", "x"], ["chat", "--file", str(tmp_path / "missing.txt")],
                  ["chat", "--model", str(tmp_path / "none.gguf"), "--prompt", "x"], ["chat", "--device", "tpu"]):
