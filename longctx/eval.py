@@ -169,7 +169,10 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: str) -> torch.Te
     question = "\nWhat is the pass key? The pass key is"
     filler_len = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
     overhead = len(tokenizer(frame + needle + question, add_special_tokens=False).input_ids)
-    reps = max(1, (n_tokens - overhead) // filler_len)
+    if n_tokens < overhead + filler_len:
+        raise ValueError(f"a passkey prompt takes at least {overhead + filler_len} tokens (the instructions, the key and one "
+                         f"passage of filler), got {n_tokens}")
+    reps = (n_tokens - overhead) // filler_len
     cut = int(round(reps * depth))
     prompt = frame + FILLER * cut + needle + FILLER * (reps - cut) + question
     return tokenizer(prompt, return_tensors="pt").input_ids
@@ -184,8 +187,10 @@ def passkey(
     n_tokens: int = 3600,
     seed: int = 0,
     chunk: int = 512,
+    on_result: Callable[[PasskeyResult], None] | None = None,
 ) -> list[PasskeyResult]:
-    """Hide a 5-digit key at each depth of ~n_tokens of filler; greedy-decode the answer."""
+    """Hide a 5-digit key at each depth of ~n_tokens of filler; greedy-decode the answer.
+    on_result(result) is called as each depth is done."""
     rng = random.Random(seed)
     results = []
     for depth in depths:
@@ -198,4 +203,6 @@ def passkey(
             _release(cache)
         answer = tokenizer.decode(out, skip_special_tokens=True)
         results.append(PasskeyResult(spec_name(kv), depth, key, answer.strip(), key in answer, ids.shape[1]))
+        if on_result is not None:
+            on_result(results[-1])
     return results

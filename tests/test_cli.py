@@ -289,6 +289,32 @@ def test_chat_max_context_refuses_what_does_not_fit_before_prefilling_it(tmp_pat
     assert history == fed[0] + 8 and tokens_row.split("│")[2].strip() == str(history)  # the refusal changed nothing
 
 
+def test_eval_passkey_table_json_and_what_it_says_of_the_prompt(reuse_model, monkeypatch):
+    """The table prints whole at 80 columns and names the prompts' real length; --json gives every
+    (format, depth); a length too short for a prompt is a one-line error; prompts past the model's
+    trained context are run, with a warning."""
+    args = ["eval", "passkey", "--tokens", "10"]
+    assert "at least" in one_line_error(runner.invoke(app, args), args)
+
+    r = runner80.invoke(app, ["eval", "passkey", "--tokens", "400", "--formats", "int4,int2+rot"])  # five depths
+    assert r.exit_code == 0, r.output
+    assert "exact (DynamicCache)" in r.stdout and "…" not in r.stdout and "warning" not in r.stderr
+    title = next(line for line in r.stdout.splitlines() if "Passkey retrieval" in line)
+    n = int(title.split("prompts of ")[1].split(" tokens")[0].replace(",", ""))
+    assert 300 < n <= 400
+    body = [line for line in r.stdout.splitlines() if line.startswith("│")]
+    assert [line.split("│")[1].strip() for line in body] == ["exact (DynamicCache)", "int4", "int2+rot"]
+    assert all(len(line.split("│")) == 8 for line in body)  # a cell a depth, none wrapped onto a second line
+
+    monkeypatch.setattr(reuse_model[0].config, "max_position_embeddings", 200)
+    r = runner.invoke(app, ["eval", "passkey", "--tokens", "400", "--depths", "0.5", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "past the model's trained context (200 positions)" in " ".join(r.stderr.split())
+    rows = json.loads(r.stdout)
+    assert [row["format"] for row in rows] == ["exact (DynamicCache)", "int4"] and all(row["prompt_tokens"] == n for row in rows)
+    assert all(row["found"] == (row["key"] in row["answer"]) and row["depth"] == 0.5 for row in rows)
+
+
 def test_chat_bad_inputs_are_one_line_errors(tmp_path):
     for args in (["chat", "--kv-bits", "3", "--prompt", "x"], ["chat", "--file", str(tmp_path / "missing.txt")],
                  ["chat", "--model", str(tmp_path / "none.gguf"), "--prompt", "x"], ["chat", "--device", "tpu"]):

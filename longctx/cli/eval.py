@@ -7,10 +7,11 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import kv_preset, kv_preset_names
 from .options import print_config, print_config_option
+from .tables import show_table
 
 app = typer.Typer(help="Measure the quality of KV formats on a model.", no_args_is_help=True)
 
@@ -61,13 +62,9 @@ def quality(
                      bytes_per_token=r.bytes_per_token, ratio_to_bf16=r.ratio_to_bf16) for n, r in results]
         typer.echo(json.dumps(rows, indent=2))
         return
-    table = Table(title=f"Perplexity, {base.tokens} tokens fed in chunks of {chunk}")
-    for col in ("format", "perplexity", "change", "bytes/token vs bf16", "seconds"):
-        table.add_column(col, justify="left" if col == "format" else "right")
-    for name, r in results:
-        ratio = f"{r.ratio_to_bf16:.3f}" if r.ratio_to_bf16 is not None else "-"
-        table.add_row(name, f"{r.ppl:.4f}", f"{r.delta_pct(base):+.3f} %", ratio, f"{r.seconds:.1f}")
-    Console().print(table)
+    show_table(f"Perplexity, {base.tokens} tokens fed in chunks of {chunk}", ("format", "perplexity", "change", "bytes/token vs bf16", "seconds"),
+               [(name, f"{r.ppl:.4f}", f"{r.delta_pct(base):+.3f} %", f"{r.ratio_to_bf16:.3f}" if r.ratio_to_bf16 is not None else "-",
+                 f"{r.seconds:.1f}") for name, r in results], left=("format",))
 
 
 @app.command("passkey")
@@ -77,13 +74,14 @@ def passkey_cmd(
     tokens: int = typer.Option(3600, help="prompt length in tokens"),
     depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="where the key is hidden, as fractions"),
     device: str = typer.Option(None, help="cpu or cuda (default: cuda when available)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     show_config: bool = print_config_option(),
 ) -> None:
     """Hide a 5-digit key in filler text; does each format still retrieve it?
 
     Example: longctx eval passkey --formats int4,int2+rot --tokens 3600
     """
-    from ..eval import passkey
+    from ..eval import passkey, passkey_prompt
     from ..models import load_model
 
     specs = _formats(formats)
@@ -99,12 +97,25 @@ def passkey_cmd(
     console = Console(stderr=True)
     with console.status("loading model..."):
         mdl, tok = load_model(model, device=device)
-    table = Table(title=f"Passkey retrieval, ~{tokens} tokens")
-    table.add_column("format")
-    for d in ds:
-        table.add_column(f"depth {d:.1f}", justify="center")
-    for name, spec in [("exact (DynamicCache)", None)] + specs:
-        with console.status(f"passkey: {name}..."):
-            res = passkey(mdl, tok, kv=spec, depths=ds, n_tokens=tokens)
-        table.add_row(name, *[("[green]found[/]" if r.found else f"[red]{r.answer[:12]!r}[/]") for r in res])
-    Console().print(table)
+    prompt_tokens = passkey_prompt(tok, tokens, 0.5, "00000").shape[1]  # (refuses a length too short for a prompt)
+    trained = getattr(getattr(mdl, "config", None), "max_position_embeddings", None)
+    if trained and prompt_tokens > trained:
+        console.print(f"[yellow]warning:[/] the prompts are ~{prompt_tokens:,} tokens, past the model's trained context "
+                      f"({trained:,} positions): expect misses for every format, the exact cache's too", highlight=False)
+    runs = [("exact (DynamicCache)", None)] + specs
+    results = []
+    with Progress(TextColumn("passkey {task.fields[run]}"), BarColumn(), MofNCompleteColumn(), TextColumn("depths"), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("passkey", total=len(runs) * len(ds), run=runs[0][0])
+        for name, spec in runs:
+            bar.update(task, run=name)
+            results.append((name, passkey(mdl, tok, kv=spec, depths=ds, n_tokens=tokens, on_result=lambda _: bar.advance(task))))
+    if as_json:
+        typer.echo(json.dumps([dict(format=name, depth=r.depth, key=r.key, answer=r.answer, found=r.found, prompt_tokens=r.prompt_tokens)
+                               for name, res in results for r in res], indent=2))
+        return
+    lengths = sorted({r.prompt_tokens for _, res in results for r in res})
+    span = f"{lengths[0]:,}" if len(lengths) == 1 else f"{lengths[0]:,}-{lengths[-1]:,}"
+    show_table(f"Passkey retrieval, prompts of {span} tokens", ["format"] + [f"depth {d:.1f}" for d in ds],
+               [[name] + [("[green]found[/]" if r.found else f"[red]{r.answer[:12]!r}[/]") for r in res] for name, res in results],
+               left=("format",))
