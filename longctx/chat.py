@@ -97,6 +97,10 @@ class ChatSession:
             self.cached_ids = self.cached_ids[:keep]
         return full[keep:]
 
+    def context_tokens(self) -> int:
+        """Tokens the conversation so far takes in the context (what preload would leave cached)."""
+        return len(self._render(generation_prompt=False))
+
     @torch.inference_mode()
     def preload(self, on_prefill: Callable[[int, int], None] | None = None) -> int:
         """Prefill the conversation so far (e.g. a long system document) before any

@@ -289,6 +289,21 @@ def test_chat_max_context_refuses_what_does_not_fit_before_prefilling_it(tmp_pat
     assert history == fed[0] + 8 and tokens_row.split("│")[2].strip() == str(history)  # the refusal changed nothing
 
 
+def test_chat_warns_of_a_document_past_the_trained_context(tmp_path, reuse_model, monkeypatch):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(["the long report goes on"] * 30), encoding="utf-8")
+    args = ["chat", "--file", str(doc), "--prompt", "Summarize.", "--max-new-tokens", "2", "--temperature", "0"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "warning" not in r.stderr, r.output
+    monkeypatch.setattr(reuse_model[0].config, "max_position_embeddings", 100)
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    warning = " ".join(r.stderr.split())
+    n = int(warning.split("makes the context ")[1].split(" tokens")[0].replace(",", ""))
+    assert n > 150 and "past the model's trained context (100 positions)" in warning
+    assert f"doc.txt: {n:,} tokens in the context" in warning  # the warning's count is what preload fed
+
+
 def test_eval_passkey_table_json_and_what_it_says_of_the_prompt(reuse_model, monkeypatch):
     """The table prints whole at 80 columns and names the prompts' real length; --json gives every
     (format, depth); a length too short for a prompt is a one-line error; prompts past the model's

@@ -117,6 +117,10 @@ def chat(
                 self.progress.stop()
 
     if file is not None:
+        trained = getattr(getattr(mdl, "config", None), "max_position_embeddings", None)
+        if trained and (n := session.context_tokens()) > trained:
+            err.print(f"[yellow]warning:[/] {file.name} makes the context {n:,} tokens, past the model's trained context "
+                      f"({trained:,} positions): expect answers that ignore or garble the document", highlight=False)
         bar = Bar()
         try:
             n = session.preload(on_prefill=bar)
