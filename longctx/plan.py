@@ -230,7 +230,7 @@ class Budget:
 @dataclass
 class PlanRow:
     format: str
-    kv_bytes_per_token: float  # at the planned context, sinks and tail included (per row)
+    kv_bytes_per_token: float  # at the planned context (at the model's limit where none fits), sinks and tail included (per row)
     max_tokens: int  # per row, GPU only, the model's limit aside
     max_tokens_offload: int | None  # with --offload-gb of pinned host memory for cold pages
     fits_model_limit: bool  # max_tokens >= the model's max_context
@@ -288,7 +288,8 @@ def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16,
             # sealed quantized pages can live in host memory; sinks, tails and staging stay
             host = int(offload_gib * GIB)
             off = _largest(lambda t, cfg=cfg: need(t) <= budget.for_kv + min(host, _sealed_bytes(shape, cfg, t, batch)))
-        per_token = kv_bytes(shape, cfg, best, batch) / (best * batch) if best else 0.0
+        at = best or shape.max_context or 32768  # where nothing fits, the format's cost at the model's limit
+        per_token = kv_bytes(shape, cfg, at, batch) / (at * batch)
         sealed = best // block_size
         out.rows.append(PlanRow(label, per_token, best, off, shape.max_context is None or best >= shape.max_context,
                                 activation_bytes(shape, min(prefill_chunk, max(best, 1)), best, batch),

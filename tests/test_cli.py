@@ -192,6 +192,24 @@ def test_every_help_text_wraps_its_prose_evenly_at_80_columns():
         assert " ".join(text.split()) == " ".join(doc.split()), path
 
 
+def test_plan_says_why_no_context_fits_and_what_to_try():
+    def cells(out, fmt):
+        return [c.strip() for c in next(line for line in out.splitlines() if line.startswith(f"│ {fmt} ")).split("│")[1:-1]]
+
+    fits = runner.invoke(app, ["plan", "--gpu-mem", "24GB"])
+    assert fits.exit_code == 0 and "No context fits" not in fits.stdout and "To size the cache" in fits.stdout
+    for bits, fix in ((16, "--weights-bits 4"), (4, "a smaller model or a larger GPU")):
+        r = runner.invoke(app, ["plan", "--gpu-mem", "3GB", "--weights-bits", str(bits)])
+        assert r.exit_code == 0, r.output
+        text = " ".join(r.stdout.split())
+        assert "No context fits: the weights (" in text and "take more than the 3 GiB budget" in text and fix in text, text
+        assert "To size the cache" not in text and ("--weights-bits 4" in text) == (bits == 16)
+        for fmt in ("bf16", "int8", "int4", "int2+rot"):
+            per_token, tokens = cells(r.stdout, fmt)[1:3]
+            assert tokens == "0"  # the format's bytes a token are still shown, as where it fits
+            assert abs(int(per_token.replace(",", "")) / int(cells(fits.stdout, fmt)[1].replace(",", "")) - 1) < 0.01
+
+
 def test_plan_list_and_help():
     r = runner.invoke(app, ["plan", "--list"])
     assert r.exit_code == 0 and "llama-3.1-8b" in r.stdout and "rtx-4090" in r.stdout

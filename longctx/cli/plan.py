@@ -6,9 +6,9 @@ import json
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from .options import print_config, print_config_option
+from .tables import show_table
 
 GIB = 1 << 30
 
@@ -63,38 +63,43 @@ def plan(
         return
     console = Console()
     limit = f"{p.max_context:,}" if p.max_context else "unknown"
-    t = Table(title=f"{p.model} ({p.params / 1e9:.2f}B params, {weights_bits}-bit weights) on {label}: {gib:g} GiB, batch {batch}")
+    console.print(f"{p.model} ({p.params / 1e9:.2f}B params, {weights_bits}-bit weights) on {label} ({gib:g} GiB), batch {batch}",
+                  highlight=False, soft_wrap=True)
     cols = ["KV format", "KV bytes/token", "max tokens (GPU)"] + (["with offload"] if offload_gb else []) + [f"model limit {limit}"]
-    for c in cols:
-        t.add_column(c, justify="left" if c == "KV format" else "right")
+    rows = []
     for r in p.rows:
         if r.unavailable:
-            t.add_row(r.format, *["n/a"] * (len(cols) - 1))
+            rows.append([r.format, *["n/a"] * (len(cols) - 1)])
             continue
         cells = [r.format, f"{r.kv_bytes_per_token:,.0f}", f"{r.max_tokens:,}"]
         if offload_gb:
             cells.append(f"{r.max_tokens_offload:,}")
         cells.append("fits" if r.fits_model_limit else "short")
-        t.add_row(*cells)
-    console.print(t)
+        rows.append(cells)
+    show_table("Longest context per KV format", cols, rows, left=("KV format",), console=console)
     b = p.budget
-    bt = Table(title="Budget")
-    bt.add_column("item")
-    bt.add_column("bytes", justify="right")
-    bt.add_row("GPU memory", _gib(b.total))
-    bt.add_row("weights", _gib(b.weights))
-    bt.add_row("runtime overhead (CUDA context, workspaces)", _gib(b.overhead))
-    bt.add_row("fragmentation reserve (5 %)", _gib(b.reserve))
-    bt.add_row("left for KV + activations", _gib(b.for_kv))
-    for r in p.rows:
-        if not r.unavailable:
-            bt.add_row(f"activations at a {prefill_chunk}-token chunk, {r.format} ({r.max_tokens:,} tokens)", _gib(r.activations))
-    console.print(bt)
+    items = [("GPU memory", _gib(b.total)), ("weights", _gib(b.weights)), ("runtime overhead (CUDA context, workspaces)", _gib(b.overhead)),
+             ("fragmentation reserve (5 %)", _gib(b.reserve)), ("left for KV + activations", _gib(b.for_kv))]
+    items += [(f"activations at a {min(prefill_chunk, max(r.max_tokens, 1)):,}-token chunk, {r.format} ({r.max_tokens:,} tokens)", _gib(r.activations))
+              for r in p.rows if not r.unavailable]
+    show_table("Budget", ("item", "bytes"), items, left=("item",), console=console)
+    available = [r for r in p.rows if not r.unavailable]
+    if available and not any(r.max_tokens for r in available):
+        if b.for_kv <= 0:
+            why = (f"the weights ({_gib(b.weights)}) with the runtime overhead and reserve ({_gib(b.overhead + b.reserve)}) "
+                   f"take more than the {gib:g} GiB budget")
+            fix = "4-bit weights (--weights-bits 4, bitsandbytes), a smaller model or a larger GPU" if weights_bits != 4 else \
+                  "a smaller model or a larger GPU"
+        else:
+            why = f"the activations of one {prefill_chunk:,}-token prefill chunk take more than the {_gib(b.for_kv)} left"
+            fix = "a smaller --prefill-chunk"
+        console.print(f"[bold red]No context fits:[/] {why}. Try {fix}.", highlight=False)
     for r in p.rows:
         if r.unavailable:
             console.print(f"{r.format} is not available for this model: {r.unavailable}", highlight=False, markup=False)
-    console.print("[dim]To size the cache for a planned context once (no growth copies): longctx chat --max-context N, "
-                  "or KVConfig(max_blocks=...) from --json.[/]")
+    if any(r.max_tokens for r in available):
+        console.print("[dim]To size the cache for a planned context once (no growth copies): longctx chat --max-context N, "
+                      "or KVConfig(max_blocks=...) from --json.[/]")
     if offload_gb:
         console.print("[dim]with offload: sealed pages kept in pinned host memory; the cache does not spill pages to the host yet, "
                       "so this column is what that tier will allow, not what runs today.[/]")
