@@ -348,6 +348,21 @@ def test_eval_passkey_table_json_and_what_it_says_of_the_prompt(reuse_model, mon
     assert all(row["found"] == (row["key"] in row["answer"]) and row["depth"] == 0.5 for row in rows)
 
 
+def test_eval_quality_refuses_a_text_it_could_not_measure_on(tmp_path, reuse_model):
+    short, binary, enough = tmp_path / "short.txt", tmp_path / "binary.txt", tmp_path / "enough.txt"
+    short.write_text("Hello world.", encoding="utf-8")
+    binary.write_bytes(b"\xff\xfe not text")
+    enough.write_text(" ".join(["The grass is green and the sky is blue."] * 20), encoding="utf-8")
+    args = ["eval", "quality", "--text", str(short), "--formats", "int4"]
+    assert "within one chunk of 128" in one_line_error(runner.invoke(app, args), args)
+    args = ["eval", "quality", "--text", str(binary)]
+    assert f"--text {binary} is not UTF-8 text" in one_line_error(runner.invoke(app, args), args)
+    r = runner.invoke(app, ["eval", "quality", "--text", str(enough), "--formats", "int4", "--chunk", "32", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert rows[1]["format"] == "int4" and rows[1]["tokens"] > 32 and rows[1]["delta_pct"] != 0.0  # the pages were read back
+
+
 def test_chat_bad_inputs_are_one_line_errors(tmp_path):
     for args in (["chat", "--kv-bits", "3", "--prompt", "x"], ["chat", "--file", str(tmp_path / "missing.txt")],
                  ["chat", "--model", str(tmp_path / "none.gguf"), "--prompt", "x"], ["chat", "--device", "tpu"]):

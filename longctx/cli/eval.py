@@ -47,10 +47,16 @@ def quality(
     if show_config:  # group_size null: the model's head_dim sets it when the cache is built
         return print_config(eval="quality", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(kv_specs),
                             text=text, chunk=chunk, quanto=quanto, device=device)
-    body = text.read_text(encoding="utf-8") if text else None
+    try:
+        body = text.read_text(encoding="utf-8") if text else None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text {text} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     console = Console(stderr=True)
     with console.status("loading model..."):
         mdl, tok = load_model(model, device=device)
+    if body is not None and (n := len(tok(body).input_ids)) <= chunk:
+        raise ValueError(f"--text is {n} tokens, within one chunk of {chunk}: no chunk would read the cache back, so every format "
+                         "would score as the exact cache. Use a longer text or a smaller --chunk")
     runs = [("exact (DynamicCache)", None)] + specs
     results = []
     for name, spec in runs:
