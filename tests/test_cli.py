@@ -254,6 +254,16 @@ def test_chat_interactive_through_stdin(tmp_path, reuse_model):
     assert "16 tokens" in tables[1]  # the first turn decoded 16 tokens
 
 
+def test_chat_save_to_a_bad_path_says_so_and_the_chat_goes_on(tmp_path, reuse_model):
+    transcript = tmp_path / "t.md"
+    script = f"Hi.\n/save {tmp_path / 'no' / 'such' / 'dir.md'}\n/save {tmp_path}\nName a color.\n/save {transcript}\n/exit\n"
+    r = runner.invoke(app, ["chat", "--temperature", "0", "--max-new-tokens", "6"], input=script)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count("could not save to") == 2 and "the chat goes on" in r.stdout
+    text = transcript.read_text()
+    assert "Hi." in text and "Name a color." in text and text.count("**assistant**") == 2
+
+
 def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation(tmp_path, reuse_model, monkeypatch):
     import longctx.chat
 

@@ -171,7 +171,11 @@ def chat(
                     if not arg.strip():
                         out.print("usage: /save FILE", style="red")
                         continue
-                    Path(arg.strip()).write_text(session.transcript_markdown(), encoding="utf-8")
+                    try:
+                        Path(arg.strip()).write_text(session.transcript_markdown(), encoding="utf-8")
+                    except OSError as e:  # a bad path must not end the chat (and lose it)
+                        out.print(f"could not save to {arg.strip()}: {e.strerror or e}; the chat goes on", style="red", markup=False)
+                        continue
                     out.print(f"saved to {arg.strip()}")
                 case _:
                     out.print(f"unknown command {cmd}; {HELP}", style="red")
