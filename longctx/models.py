@@ -82,6 +82,16 @@ def load_model(
     if load_in_4bit and load_in_8bit:
         raise ValueError("choose one of load_in_4bit and load_in_8bit")
     device = device or _default_device()
+    if device.startswith("cuda"):
+        number = device.removeprefix("cuda").removeprefix(":")
+        if device != "cuda" and not (device.startswith("cuda:") and number.isdigit()):
+            raise ValueError(f"bad device {device!r}: use cpu, cuda or cuda:N")
+        index = int(number or 0)
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA GPU is visible here (torch {torch.__version__}); use --device cpu")
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA GPUs here (cuda:0 to "
+                             f"cuda:{torch.cuda.device_count() - 1})")
     if isinstance(dtype, str):
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}; use bfloat16, float16 or float32")

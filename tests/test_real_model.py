@@ -176,6 +176,12 @@ def test_load_model_errors(monkeypatch, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelNotFoundError, match="without config.json"):
         load_model(str(tmp_path / "empty"))
+    for bad in ("cuda:x", "cuda1", "cudax:0"):
+        with pytest.raises(ValueError, match="use cpu, cuda or cuda:N"):
+            load_model(device=bad)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match="no CUDA GPU is visible" if count == 0 else f"there are {count} CUDA GPUs"):
+        load_model(device=f"cuda:{max(count, 1) if count else 0}")  # before anything loads
     import longctx.models as models
 
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
