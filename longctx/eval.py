@@ -101,11 +101,13 @@ def perplexity(
     *,
     chunk: int = 128,
     max_tokens: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> PerplexityResult:
     """Perplexity of `text` fed `chunk` tokens at a time through a cache built from `kv`.
 
     Each chunk attends to itself exactly and to every earlier chunk through the cache, so a
-    quantized cache is read back for all but the first chunk.
+    quantized cache is read back for all but the first chunk. on_progress(tokens_done,
+    tokens_total) is called after each chunk.
     """
     text = default_text() if text is None else text
     ids = tokenizer(text, return_tensors="pt").input_ids
@@ -125,6 +127,8 @@ def perplexity(
         lp = lp[: tgt.shape[0]]
         nll_sum.add_(-lp.gather(1, tgt[:, None]).sum().double().cpu())
         done["n"] = end
+        if on_progress is not None:
+            on_progress(end, ids.shape[1])
 
     cache = make_cache(model, kv)
     t0 = time.perf_counter()

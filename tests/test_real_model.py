@@ -128,7 +128,10 @@ def test_beam_reorder_moves_no_sealed_bytes_and_prompt_is_held_once(smol):
 def quality(smol):
     model, tok = smol
     restore(model)
-    results = {"exact": perplexity(model, tok, kv=None, chunk=128)}
+    seen = []
+    results = {"exact": perplexity(model, tok, kv=None, chunk=128, on_progress=lambda done, total: seen.append((done, total)))}
+    total = results["exact"].tokens
+    assert [done for done, _ in seen] == [min(total, 128 * (i + 1)) for i in range(-(-total // 128))] and {t for _, t in seen} == {total}
     for name, cfg in {"int8": KVConfig(bits=8), "int4": KVConfig(bits=4), "int2+rot": KVConfig(bits=2, rotate=True, block_size=16)}.items():
         results[name] = perplexity(model, tok, kv=cfg, chunk=128)
     return results

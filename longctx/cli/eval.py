@@ -59,9 +59,13 @@ def quality(
                          "would score as the exact cache. Use a longer text or a smaller --chunk")
     runs = [("exact (DynamicCache)", None)] + specs
     results = []
-    for name, spec in runs:
-        with console.status(f"perplexity: {name}..."):
-            results.append((name, perplexity(mdl, tok, body, kv=spec, chunk=chunk)))
+    with Progress(TextColumn("perplexity {task.fields[run]}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        for name, spec in runs:
+            task = bar.add_task("perplexity", total=None, run=name)
+            results.append((name, perplexity(mdl, tok, body, kv=spec, chunk=chunk,
+                                             on_progress=lambda done, total, task=task: bar.update(task, completed=done, total=total))))
+            bar.remove_task(task)
     base = results[0][1]
     if as_json:
         rows = [dict(format=n, ppl=r.ppl, delta_pct=r.delta_pct(base), tokens=r.tokens, chunk=r.chunk, seconds=r.seconds,
