@@ -140,6 +140,49 @@ def test_start_offsets_left_padding_only():
         start_offsets(torch.ones(1, 1, 4, 4), 4)
 
 
+FAMILIES = {  # tiny random models of each family, as transformers builds them
+    "Qwen2": dict(),
+    "Qwen3": dict(head_dim=64),
+    "Gemma": dict(head_dim=64),  # its scaling: query_pre_attn_scalar
+    "Granite": dict(attention_multiplier=0.3),  # a scaling that is not 1/sqrt(head_dim)
+    "Phi3": dict(pad_token_id=0, eos_token_id=1, bos_token_id=2),  # head_dim 32: the reference path under auto
+    "Olmo2": dict(pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    "Cohere": dict(pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    "Mistral": dict(sliding_window=None),
+    "Qwen3Moe": dict(head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_full_attention_families_generate_as_dynamic_cache(family):
+    """Greedy generate() of a left-padded batch: bits 16 pages give DynamicCache's tokens exactly
+    (each family's own scaling, norms and layouts reach our attention), and int8 runs."""
+    import transformers
+
+    cfg = getattr(transformers, f"{family}Config")(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                                    num_attention_heads=4, num_key_value_heads=2, **FAMILIES[family])
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    ids = torch.randint(3, 128, (2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with torch.no_grad():  # sharper attention than the random init's near-uniform one, so that a wrong scaling shows
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            (attn.q_proj if hasattr(attn, "q_proj") else attn.qkv_proj).weight.mul_(8.0)  # Phi-3 fuses q, k and v
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    ref = model.generate(ids, **kw)
+    cache = LongCtxCache(model, KVConfig(bits=16, block_size=16))
+    out = model.generate(ids, **kw, **cache_kwargs(model, cache))
+    cache.detach()
+    assert torch.equal(out.sequences, ref.sequences)
+    for ours, theirs in zip(out.logits, ref.logits):  # every step's logits (the prompt's: prefill; then decode over pages)
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    cache = LongCtxCache(model, KVConfig(bits=8, block_size=16))
+    assert model.generate(ids, **kw, **cache_kwargs(model, cache)).sequences.shape == ref.sequences.shape
+    cache.detach()
+
+
 def test_sliding_window_model_is_refused():
     from transformers import MistralConfig, MistralForCausalLM
 
