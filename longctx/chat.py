@@ -97,20 +97,21 @@ class ChatSession:
             self.cached_ids = self.cached_ids[:keep]
         return full[keep:]
 
-    def context_tokens(self) -> int:
-        """Tokens the conversation so far takes in the context (what preload would leave cached)."""
-        return len(self._render(generation_prompt=False))
-
     @torch.inference_mode()
-    def preload(self, on_prefill: Callable[[int, int], None] | None = None) -> int:
+    def preload(self, on_prefill: Callable[[int, int], None] | None = None, on_context: Callable[[int], None] | None = None) -> int:
         """Prefill the conversation so far (e.g. a long system document) before any
-        question, so the first turn only prefills its own tokens. Returns tokens fed."""
+        question, so the first turn only prefills its own tokens. Returns tokens fed.
+
+        on_context(tokens) is told the context's length before anything is prefilled."""
         new = self._sync_prefix(self._render(generation_prompt=False))
-        if self.max_context is not None and len(self.cached_ids) + len(new) > self.max_context:
+        context = len(self.cached_ids) + len(new)
+        if self.max_context is not None and context > self.max_context:
             raise ValueError(
-                f"the system prompt and document are {len(self.cached_ids) + len(new):,} tokens; --max-context is "
+                f"the system prompt and document are {context:,} tokens; --max-context is "
                 f"{self.max_context:,}. Raise --max-context (longctx plan shows what fits) or shorten the document"
             )
+        if on_context is not None:
+            on_context(context)
         t0 = time.perf_counter()
         self._feed(new, on_prefill)
         self.last = GenerationStats(prompt_tokens=len(new), prefill_s=time.perf_counter() - t0)

@@ -118,12 +118,15 @@ def chat(
 
     if file is not None:
         trained = getattr(getattr(mdl, "config", None), "max_position_embeddings", None)
-        if trained and (n := session.context_tokens()) > trained:
-            err.print(f"[yellow]warning:[/] {file.name} makes the context {n:,} tokens, past the model's trained context "
-                      f"({trained:,} positions): expect answers that ignore or garble the document", highlight=False)
+
+        def warn_past_trained(n: int) -> None:
+            if trained and n > trained:
+                err.print(f"[yellow]warning:[/] {file.name} makes the context {n:,} tokens, past the model's trained context "
+                          f"({trained:,} positions): expect answers that ignore or garble the document", highlight=False)
+
         bar = Bar()
         try:
-            n = session.preload(on_prefill=bar)
+            n = session.preload(on_prefill=bar, on_context=warn_past_trained)
         finally:
             bar.close()
         err.print(f"{file.name}: {n:,} tokens in the context ({session.last.prefill_tok_s:,.0f} tok/s)")
