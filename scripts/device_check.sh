@@ -8,6 +8,7 @@
 #   AB="side_stages=3 side_skip=False" bash scripts/device_check.sh ab   # kernel times, defaults vs AB's sets, alternating
 #   AB="asm=4" bash scripts/device_check.sh bench_ab          # the bench's whole call, defaults vs AB's sets
 #   TRITON_TAR=.triton/triton-3.8.0.tar.xz bash scripts/device_check.sh ...   # on a carried Triton (scripts/pack_triton.sh)
+#   FLASH_TAR=.flash/flash-attn-2.8.3.post2-sm90.tar.xz bash scripts/device_check.sh flash decode_graph   # with flash-attn (scripts/pack_flash_attn.sh)
 #   bash scripts/device_check.sh timeline                      # each decode program's start, page walk and end
 #   bash scripts/device_check.sh greedy                        # see the greedy stage below
 #   bash scripts/device_check.sh diag_greedy                   # where greedy parts between backends
@@ -27,6 +28,17 @@ if [ -n "${TRITON_TAR:-}" ]; then
   chmod +x "$alt"/triton/backends/*/bin/*
   export PYTHONPATH=$alt:$PYTHONPATH
 fi
+# FLASH_TAR=.flash/flash-attn-2.8.3.post2-sm90.tar.xz (carry .flash; scripts/pack_flash_attn.sh makes
+# it): flash-attn's binding is compiled against the image's torch and linked with the packed
+# kernels (scripts/link_flash_attn.py, ~1-2 min), and every stage imports it
+if [ -n "${FLASH_TAR:-}" ]; then
+  fa=/tmp/flash_alt; rm -rf $fa; mkdir -p $fa
+  python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$FLASH_TAR" "$fa"
+  d=$(ls -d $fa/flash-attn-*-sm90)
+  timeout 400 python3 scripts/link_flash_attn.py "$d" > "$OUT/flash_link.log" 2>&1 || { tail -30 "$OUT/flash_link.log"; exit 1; }
+  tail -2 "$OUT/flash_link.log"
+  export PYTHONPATH=$d/python:$PYTHONPATH
+fi
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 STAGES=("$@")
 want_stage() { [ ${#STAGES[@]} -eq 0 ] && return 0; local s; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
@@ -34,6 +46,9 @@ stage() { local name=$1 limit=$2; shift 2; want_stage "$name" || return 0; echo 
 # shellcheck disable=SC2086
 TAIL=4 stage tests 500 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/ops tests/test_cuda.py tests/test_transformers.py}
 TAIL=8 stage host 40 python3 scripts/diag_host.py
+# flash: the `flash` backend, `bench decode`'s flash-attn peer and `info` against flash-attn
+# itself (FLASH_TAR; without it these tests skip or take the not-installed path)
+TAIL=8 stage flash 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/ops/test_paged_attention.py tests/test_cli.py -k "flash or bench_decode or info"
 # decode_graph: the acceptance's rows in one run, batch 1 at 4k, 128k and 512k and batch 8 at 32k (~250 s on a fresh machine)
 TAIL=30 stage decode_graph 330 python3 -m longctx bench decode --graph --cases 4k:1,128k:1,512k:1,32k:8 --formats int4,int8,bf16 --json "$OUT/decode_graph.json"
 stage decode 200 python3 -m longctx bench decode --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode.json"

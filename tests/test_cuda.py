@@ -11,6 +11,13 @@ from longctx.integrations.transformers import cache_kwargs
 from longctx.testing import tiny_llama
 
 pytestmark = pytest.mark.gpu
+FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+NO_FLASH_ATTN = "flash-attn is not installed (it cannot be from PyPI's index: scripts/pack_flash_attn.sh builds it for the GPU machine)"
+
+
+def _peers(graph: bool) -> list[str]:
+    """The peer rows `bench decode` puts before the formats' on a GPU."""
+    return ["SDPA dense bf16"] + ([] if graph else ["FlexAttention paged bf16"]) + (["flash-attn paged bf16"] if FLASH_ATTN else [])
 
 
 def test_bf16_model_on_cuda_matches_dynamic_cache_logits():
@@ -319,18 +326,43 @@ def test_bench_e2e_times_graph_decoding():
     assert rows[1].compile_s > 0 and all(r.compile_s != r.compile_s for r in rows if r is not rows[1])  # nan elsewhere
 
 
+@pytest.mark.skipif(not FLASH_ATTN, reason=NO_FLASH_ATTN)
+@pytest.mark.parametrize("D", [64, 128])
+def test_bench_flash_attn_peer_attends_over_its_pages_in_table_order(D):
+    """What `bench decode`'s flash-attn peer times is decode attention: flash_attn_with_kvcache
+    over `flash_attn_pages` (shuffled pool slots, a last page part full) equals SDPA over the
+    dense K/V that the block table puts in order; read in pool order instead, it does not."""
+    from flash_attn import flash_attn_with_kvcache
+
+    from longctx.bench import flash_attn_pages
+
+    B, Hq, H, T = 2, 8, 2, 1000
+    k, v, table = flash_attn_pages(B, T, H, D, "cuda", seed=0)
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+    out = flash_attn_with_kvcache(q.transpose(1, 2).contiguous(), k, v, cache_seqlens=torch.full((B,), T, dtype=torch.int32, device="cuda"),
+                                  block_table=table).transpose(1, 2)
+
+    def sdpa(rows):  # [B, n] pool slots -> dense [B, H, T, D], then attention
+        kd, vd = (x[rows.long()].reshape(B, -1, H, D)[:, :T].transpose(1, 2) for x in (k, v))
+        return torch.nn.functional.scaled_dot_product_attention(q.float(), kd.float(), vd.float(), enable_gqa=True)
+
+    ref = sdpa(table)
+    assert (out.float() - ref).abs().max() < 2e-2
+    pool_order = torch.arange(table.numel(), device="cuda", dtype=torch.int32).reshape(table.shape)
+    assert not torch.equal(pool_order, table) and (out.float() - sdpa(pool_order)).abs().max() > 5e-2
+
+
 def test_bench_decode_runs_the_cases_given():
     """`bench decode` with (context, batch) cases: each pair alone, in the given order, each
     with its SDPA row as the base of its ratios, and no cross product."""
     from longctx.bench import bench_decode
 
     rows = bench_decode(formats=("int4",), shape="smollm2-135m", reps=3, graph=True, cases=[(4096, 1), (1024, 2)])
-    assert [(r.name, r.context, r.batch) for r in rows] == [
-        (name, T, B) for T, B in [(4096, 1), (1024, 2)]
-        for name in ("SDPA dense bf16", "longctx int4", "dequantize-all then SDPA (int4)")]
+    names = _peers(graph=True) + ["longctx int4", "dequantize-all then SDPA (int4)"]
+    assert [(r.name, r.context, r.batch) for r in rows] == [(name, T, B) for T, B in [(4096, 1), (1024, 2)] for name in names]
     for r in rows:
-        assert 0 < r.ms < 1e3 and r.ratio_to_sdpa > 0
-    assert rows[0].ratio_to_sdpa == 1 and rows[3].ratio_to_sdpa == 1
+        assert 0 < r.ms < 1e3 and r.ratio_to_sdpa > 0 and r.note == "", r
+    assert rows[0].ratio_to_sdpa == 1 and rows[len(names)].ratio_to_sdpa == 1
     rows = bench_decode(contexts=(1024, 2048), batches=(1, 2), formats=("int8",), shape="smollm2-135m", reps=3, peers=False)
     assert [(r.context, r.batch) for r in rows] == [(1024, 1), (2048, 1), (1024, 2), (2048, 2)]
 
@@ -353,7 +385,7 @@ def test_bench_decode_goes_on_after_an_allocation_fails(graph):
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
-    names = ["SDPA dense bf16"] + ([] if graph else ["FlexAttention paged bf16"]) + ["longctx int4", "dequantize-all then SDPA (int4)"]
+    names = _peers(graph) + ["longctx int4", "dequantize-all then SDPA (int4)"]
     assert [(r.name, r.context) for r in rows] == [(n, T) for T in (1 << 20, 4096) for n in names]
     big, small = rows[: len(names)], rows[len(names) :]
     assert big[-1].ms != big[-1].ms and big[-1].note.startswith("out of GPU memory ("), big[-1]
@@ -420,7 +452,7 @@ def test_flash_backend_on_gpu_through_the_standin(bits, monkeypatch):
         assert (out.float() - ref.float()).abs().max() < 2e-2 and (lse - ref_lse).abs().max() < 1e-2
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed (it cannot be on the machines this project is tested on)")
+@pytest.mark.skipif(not FLASH_ATTN, reason=NO_FLASH_ATTN)
 @pytest.mark.parametrize("bits", [4, 16])
 def test_flash_backend_with_flash_attn(bits):
     from longctx.ops.paged_attention import paged_attention

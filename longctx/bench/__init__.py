@@ -5,11 +5,11 @@ to a decode step) and `e2e` (a Llama-3-8B-shaped model, whole steps). Each retur
 
 from .common import SHAPES, bench_configs, copy_view, sealing_share, synthetic_view, view_bytes, view_nbytes
 from .common import _config, _copies, _setup, _SLACK, _time, _time_graph  # noqa: F401 - for scripts/ and tests
-from .decode import DecodeRow, bench_decode, decode_cases
+from .decode import DecodeRow, bench_decode, decode_cases, flash_attn_pages
 from .e2e import STATIC_WARMUP, E2ERow, bench_e2e, llama3_8b_shaped
 from .prefill import PrefillRow, bench_prefill
 from .seal import SealRow, bench_seal
 
 __all__ = ["SHAPES", "STATIC_WARMUP", "DecodeRow", "E2ERow", "PrefillRow", "SealRow", "bench_configs", "bench_decode", "bench_e2e",
-           "bench_prefill", "bench_seal", "copy_view", "decode_cases", "llama3_8b_shaped", "sealing_share", "synthetic_view", "view_bytes",
+           "bench_prefill", "bench_seal", "copy_view", "decode_cases", "flash_attn_pages", "llama3_8b_shaped", "sealing_share", "synthetic_view", "view_bytes",
            "view_nbytes"]

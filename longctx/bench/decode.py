@@ -4,8 +4,9 @@ kernels, in one process.
 Each time is the median over repetitions of a loop over enough copies of the layer's KV
 (distinct memory) that the working set is far larger than L2. Peers: SDPA over dense bf16 K/V
 (PyTorch's flash kernel), FlexAttention paged over bf16 pages (the `flex` backend, eager
-timing only), and "dequantize everything, then SDPA" (how Hugging Face's QuantizedCache reads
-its cache). Results are dataclasses; the CLI renders them.
+timing only), flash-attn's own paged decode over bf16 pages of 256 tokens (where flash-attn
+imports), and "dequantize everything, then SDPA" (how Hugging Face's QuantizedCache reads its
+cache). Results are dataclasses; the CLI renders them.
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ def bench_decode(
             case.append(_sdpa_row(q, T, B, H, D, timer, reps))
             if not graph:
                 case.append(_flex_row(q, B, T, H, D, block_size, reps))
+            if torch.device(device).type == "cuda" and _flash_attn_installed():
+                case.append(_flash_attn_row(q, T, B, H, D, timer, reps))
         for name, cfg in cfgs.items():
             label, (kv_bytes, copy_bytes) = f"longctx {cfg.describe()}", _sizes(B, T, H, D, cfg)
             deq = "dequantize-all then SDPA (int4)" if peers and name == "int4" else None
@@ -186,6 +189,56 @@ def _sdpa_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> DecodeRow:
         return _timed_row(name, T, B, dense_bytes, measure)
     finally:
         kvs.clear()
+        torch.cuda.empty_cache()
+
+
+def _flash_attn_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+FLASH_ATTN_PAGE = 256  # flash-attn 2's paged kernel takes pages of a multiple of 256 tokens
+
+
+def flash_attn_pages(B: int, T: int, H: int, D: int, device, seed: int | None = None):
+    """Random bf16 K and V for flash-attn's paged decode: pages of 256 tokens (FA2's page
+    size), [B * pages a row, 256, H, D] each, at shuffled pool slots, and the block table
+    [B, pages a row] (int32) that gives row b's pages in order. The bench's flash-attn peer
+    times these; a test gathers them back into dense K/V."""
+    P = FLASH_ATTN_PAGE
+    n = -(-T // P)
+    g = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    k, v = (torch.randn(B * n, P, H, D, device=device, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    return k, v, torch.randperm(B * n, device=device, generator=g).to(torch.int32).reshape(B, n)
+
+
+def _flash_attn_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> DecodeRow:
+    """The flash-attn paged bf16 peer: `flash_attn_with_kvcache` over bf16 pages of 256 tokens
+    through a block table (`flash_attn_pages`): flash-attn's own paged decode, not the `flash`
+    backend (which stages quantized pages for it). A flash-attn that fails to import or to run
+    is reported in the row's note (time nan), not raised."""
+    name, dense_bytes = "flash-attn paged bf16", _dense_bytes(B, T, H, D)
+    copy_bytes = 2 * B * -(-T // FLASH_ATTN_PAGE) * FLASH_ATTN_PAGE * H * D * 2
+    L = _fit_copies(copy_bytes, free := _free_bytes(q.device))
+    if not L:
+        return DecodeRow(name, T, B, float("nan"), dense_bytes, note=_no_room(copy_bytes, free))
+    caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def measure():
+        from flash_attn import flash_attn_with_kvcache
+
+        qt = q.transpose(1, 2).contiguous()  # flash-attn's [B, 1, H_q, D]
+        seqlens = torch.full((B,), T, dtype=torch.int32, device=q.device)
+        caches.extend(flash_attn_pages(B, T, H, D, q.device) for _ in range(L))
+        return timer(lambda i: flash_attn_with_kvcache(qt, caches[i][0], caches[i][1], cache_seqlens=seqlens, block_table=caches[i][2]), L, reps)
+
+    try:
+        return _timed_row(name, T, B, dense_bytes, measure)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run is a finding, shown in the table
+        return DecodeRow(name, T, B, float("nan"), dense_bytes, note=f"failed ({_error_line(e)})")
+    finally:
+        caches.clear()
         torch.cuda.empty_cache()
 
 
