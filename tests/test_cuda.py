@@ -12,7 +12,7 @@ from longctx.testing import tiny_llama
 
 pytestmark = pytest.mark.gpu
 FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
-NO_FLASH_ATTN = "flash-attn is not installed (it cannot be from PyPI's index: scripts/pack_flash_attn.sh builds it for the GPU machine)"
+NO_FLASH_ATTN = "flash-attn is not installed (PyPI has it as source only; scripts/pack_flash_attn.sh builds it for the GPU machine)"
 
 
 def _peers(graph: bool) -> list[str]:
@@ -461,6 +461,37 @@ def test_flash_backend_with_flash_attn(bits):
     ref, ref_lse = paged_attention(q, cache.view(0), start=start, backend="reference")
     out, lse = paged_attention(q, cache.view(0), start=start, backend="flash")
     assert (out.float() - ref.float()).abs().max() < 2e-2 and (lse - ref_lse).abs().max() < 1e-2
+
+
+@pytest.mark.skipif(not FLASH_ATTN, reason=NO_FLASH_ATTN)
+@pytest.mark.parametrize("paged", [True, False])
+def test_flash_standin_is_flash_attn(paged):
+    """The torch stand-in through which the CPU tests check the `flash` backend, against
+    flash_attn_with_kvcache itself on the same arguments: pages through a shuffled block table
+    (no mask, a decode query), and a dense cache under the bottom-right causal mask (a 7-token
+    chunk), rows of different lengths, one of them shorter than the chunk (its first queries
+    see no key: a zero output from both; the stand-in leaves their LSE undefined)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    from longctx.testing import flash_kvcache_standin
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    B, Hq, H, D, C = 3, 8, 2, 128, 1 if paged else 7
+    seqlens = torch.tensor([700, 256, 513 if paged else 4], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, C, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    if paged:
+        k, v = (torch.randn(B * 3, 256, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        kw = dict(block_table=torch.randperm(B * 3, device="cuda", generator=g).to(torch.int32).reshape(B, 3), causal=False)
+    else:
+        k, v = (torch.randn(B, 800, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        kw = dict(causal=True)
+    out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, softmax_scale=0.1, return_softmax_lse=True, **kw)
+    ref, ref_lse = flash_kvcache_standin(q, k, v, cache_seqlens=seqlens, softmax_scale=0.1, return_softmax_lse=True, **kw)
+    assert out.dtype == ref.dtype and (out.float() - ref.float()).abs().max() < 1e-2
+    seen = ~ref_lse.isnan()
+    assert seen.sum() == B * Hq * C - (0 if paged else 3 * Hq)  # row 2's first 3 queries see none of its 4 keys
+    assert (lse[seen] - ref_lse[seen]).abs().max() < 1e-3
+    assert paged or out[2, :3].abs().max() == 0
 
 
 @pytest.mark.parametrize("P", [16, 64])
