@@ -8,7 +8,7 @@
 # caller here uses (dropout, ALiBi, softcap, local windows, head_dims other than the kernels'
 # 32, 64, 96, 128, 192 and 256, the backward pass). flash_api.cpp (the Python binding) is compiled and linked on the
 # device (scripts/device_check.sh, FLASH_TAR), against the image's Python and torch.
-#   bash scripts/pack_flash_attn.sh          # here, once (~16 min on 2 cores); writes .flash/*.tar.xz (ignored)
+#   bash scripts/pack_flash_attn.sh          # here, once (~28 min on 2 cores); writes .flash/*.tar.xz (ignored)
 #   FLASH_TAR=.flash/flash-attn-2.8.3.post2-sm90.tar.xz bash scripts/device_check.sh flash ...
 # One change to flash-attn's source: with FLASHATTENTION_DISABLE_BACKWARD its Python entry
 # points for the backward pass refuse, but flash_api.cpp's run_mha_bwd still names every
@@ -31,7 +31,12 @@ fi
 if [ ! -d "$work/torch/include" ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 -d "$work" "torch==$TORCH"
-  (cd "$work" && python3 -m zipfile -e torch-"$TORCH"-*.whl wheel && mv wheel/torch torch && rm -rf wheel torch-"$TORCH"-*.whl)
+  python3 - "$work"/torch-"$TORCH"-*.whl "$work" <<'PY'   # its headers and version only
+import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("torch/include/") or n == "torch/version.py"])
+PY
+  rm "$work"/torch-"$TORCH"-*.whl
 fi
 tv=$(sed -n "s/^__version__ = '\(.*\)'/\1/p" "$work/torch/version.py")
 src=$work/src/csrc/flash_attn
@@ -44,7 +49,7 @@ NVCC=(-I "$src" -I "$src/src" -I "$work/src/csrc/cutlass/include" -I "$work/torc
       -U__CUDA_NO_HALF2_OPERATORS__ -U__CUDA_NO_BFLOAT16_CONVERSIONS__ --expt-extended-lambda --use_fast_math "${FLAGS[@]}"
       -gencode arch=compute_90,code=sm_90 --threads 1 -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=flash_attn_2_cuda -D_GLIBCXX_USE_CXX11_ABI=1)
 mkdir -p "$work/objs"
-export work
+export work src
 compile() {  # one kernel file; kept across runs of a WORK folder
   local o=$work/objs/$(basename "$1" .cu).o
   [ -s "$o" ] && return 0
