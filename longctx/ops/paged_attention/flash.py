@@ -11,10 +11,12 @@ hold its tokens from start[b] on), which flash-attn's paged path cannot do itsel
 `cache_leftpad` does not combine with a block table). The tail, dense already, runs
 causally with the mask aligned to the bottom right, as the queries are its last C tokens.
 
-Only where flash-attn (>= 2.6, CUDA, fp16/bf16 queries) imports; on the machines this
-project is tested on it cannot be installed, so tests/ops/test_paged_attention.py checks this
-module against the reference through a torch stand-in for flash-attn's documented contract
-(`longctx.testing.flash_kvcache_standin`) and runs the real kernel only where it imports.
+Only where flash-attn (>= 2.6, CUDA, fp16/bf16 queries) imports. PyPI has flash-attn 2 as
+source only, so on the CPU tests/ops/test_paged_attention.py checks this module against an
+fp64 oracle through a torch stand-in for flash-attn's documented contract
+(`longctx.testing.flash_kvcache_standin`); where flash-attn imports on a GPU (the GPU machine,
+through scripts/pack_flash_attn.sh) the same grid runs on the real kernel, and
+tests/test_cuda.py holds the stand-in to it.
 """
 
 from __future__ import annotations
