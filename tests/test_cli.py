@@ -426,6 +426,46 @@ def _fake_gpu(monkeypatch, free: int, fail_at: int = 0, error=None) -> list[int]
     return copies
 
 
+def test_bench_decode_flash_attn_peer_meets_its_contract_and_reports_failures(monkeypatch):
+    """`bench decode`'s flash-attn peer on this machine, with flash-attn's torch stand-in as the
+    module: every copy's call passes the contract's checks (pages of 256 tokens, an int32 block
+    table and lengths) and attends over the row's 300 tokens; a flash-attn that fails to run
+    or to import gets a row that says so, with no time."""
+    import sys
+    import types
+
+    import longctx.bench.decode as bench
+    from longctx.testing import flash_kvcache_standin
+
+    calls = []
+
+    def fa(q, k, v, **kw):
+        calls.append((tuple(k.shape), tuple(kw["block_table"].shape), tuple(kw["cache_seqlens"].tolist())))
+        return flash_kvcache_standin(q, k, v, **kw)
+
+    def timer(fn, n, reps):
+        for i in range(n):
+            assert fn(i).shape == (1, 1, 4, 64)
+        return 0.5
+
+    monkeypatch.setattr(bench, "_free_bytes", lambda device: 1 << 40)
+    q = torch.randn(1, 4, 1, 64).bfloat16()
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_with_kvcache=fa))
+    row = bench._flash_attn_row(q, 300, 1, 2, 64, timer, 1)
+    assert (row.name, row.ms, row.note, row.kv_bytes) == ("flash-attn paged bf16", 0.5, "", 2 * 300 * 2 * 64 * 2)
+    assert len(calls) == 32 and set(calls) == {((2, 256, 2, 64), (1, 2), (300,))}
+
+    def broken(*args, **kw):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_with_kvcache=broken))
+    row = bench._flash_attn_row(q, 300, 1, 2, 64, timer, 1)
+    assert row.ms != row.ms and row.note == "failed (RuntimeError: no kernel image is available for execution on the device)"
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))  # (an ImportError, as from a build whose binding does not load)
+    row = bench._flash_attn_row(q, 300, 1, 2, 64, timer, 1)
+    assert row.ms != row.ms and row.note.startswith("failed (ImportError: "), row.note
+
+
 def test_bench_decode_rows_that_do_not_fit_say_so_and_the_rest_are_timed(monkeypatch):
     """A row whose copies do not fit in the GPU's free memory is timed on fewer copies, or, when
     not even the fewest fit, has no time and a note of what it needed; the bench goes on with

@@ -233,13 +233,7 @@ def _flash_attn_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> Deco
         caches.extend(flash_attn_pages(B, T, H, D, q.device) for _ in range(L))
         return timer(lambda i: flash_attn_with_kvcache(qt, caches[i][0], caches[i][1], cache_seqlens=seqlens, block_table=caches[i][2]), L, reps)
 
-    try:
-        return _timed_row(name, T, B, dense_bytes, measure)
-    except Exception as e:  # noqa: BLE001 - a peer that cannot run is a finding, shown in the table
-        return DecodeRow(name, T, B, float("nan"), dense_bytes, note=f"failed ({_error_line(e)})")
-    finally:
-        caches.clear()
-        torch.cuda.empty_cache()
+    return _peer_row(name, T, B, dense_bytes, measure, caches)
 
 
 def _flex_row(q, B: int, T: int, H: int, D: int, block_size: int, reps: int) -> DecodeRow:
@@ -258,10 +252,17 @@ def _flex_row(q, B: int, T: int, H: int, D: int, block_size: int, reps: int) -> 
         _fill(views, L, B, T, H, D, cfg, q.device)
         return _time(lambda i: paged_attention(q, views[i], backend="flex", return_lse=False), L, reps)
 
+    return _peer_row(name, T, B, kv_bytes, measure, views)
+
+
+def _peer_row(name: str, T: int, B: int, kv_bytes: int, measure, held: list) -> DecodeRow:
+    """A peer's row from `measure()`: a peer that fails to import, compile or run gets its error
+    in the row's note (time nan) instead of stopping the bench; the copies `measure` put in
+    `held` are freed either way."""
     try:
         return _timed_row(name, T, B, kv_bytes, measure)
     except Exception as e:  # noqa: BLE001 - a peer that cannot run is a finding, shown in the table
         return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"failed ({_error_line(e)})")
     finally:
-        views.clear()
+        held.clear()
         torch.cuda.empty_cache()
