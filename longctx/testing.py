@@ -81,7 +81,8 @@ def attention_fp64(q, k, v, start=None, scale=None):
 def flash_kvcache_standin(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None, causal=False, return_softmax_lse=False, **unused):
     """flash-attn's `flash_attn_with_kvcache` as its docstring defines it (no new k/v, rotary,
     windows or softcap), in torch fp32, for testing the `flash` backend where flash-attn
-    cannot run (the CPU; tests/test_cuda.py holds it to the kernel where flash-attn imports). q [B, Sq, H_q, D] fp16/bf16; k_cache/v_cache [B, S, H_kv, D], or
+    cannot run (the CPU; tests/test_cuda.py holds it to the kernel where flash-attn imports).
+    q [B, Sq, H_q, D] fp16/bf16; k_cache/v_cache [B, S, H_kv, D], or
     with block_table [pages, page_size, H_kv, D] with page_size a multiple of 256 and
     block_table int32 [B, pages per row]; cache_seqlens int32 [B]: row b reads its first
     cache_seqlens[b] tokens only. causal: the mask aligned to the bottom right (query i sees

@@ -11,5 +11,5 @@ from .prefill import PrefillRow, bench_prefill
 from .seal import SealRow, bench_seal
 
 __all__ = ["SHAPES", "STATIC_WARMUP", "DecodeRow", "E2ERow", "PrefillRow", "SealRow", "bench_configs", "bench_decode", "bench_e2e",
-           "bench_prefill", "bench_seal", "copy_view", "decode_cases", "flash_attn_pages", "llama3_8b_shaped", "sealing_share", "synthetic_view", "view_bytes",
-           "view_nbytes"]
+           "bench_prefill", "bench_seal", "copy_view", "decode_cases", "flash_attn_pages", "llama3_8b_shaped", "sealing_share",
+           "synthetic_view", "view_bytes", "view_nbytes"]

@@ -62,7 +62,7 @@ def decode(
     formats: str = typer.Option("int4,int8,bf16", help="longctx formats: bf16,int8,k8v4,int4,int4+rot,int2+rot (int2 for short; longctx/configs/kv.yaml)"),
     shape: str = typer.Option("llama-3-8b", help="model shape: llama-3-8b or smollm2-135m"),
     block_size: int = typer.Option(64, help="tokens per page"),
-    no_peers: bool = typer.Option(False, "--no-peers", help="skip the peers: SDPA dense bf16, FlexAttention paged, flash-attn paged (where it imports), dequantize-all then SDPA"),
+    no_peers: bool = typer.Option(False, "--no-peers", help="skip the peers (SDPA dense bf16, FlexAttention, flash-attn where it imports, dequantize-all then SDPA)"),
     as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
     graph: bool = typer.Option(False, "--graph", help="time CUDA-graph replays (GPU time without launch overhead), peers too"),
     plot: Path = typer.Option(None, "--plot", help="also draw time per context to this PNG (needs matplotlib)"),
