@@ -34,7 +34,7 @@ def main(pack: str) -> None:
                   extra_cflags=["-O3", "-std=c++17", *build["flags"].split()], extra_ldflags=sorted(glob.glob(os.path.join(pack, "*.o"))),
                   build_directory=_fresh(os.path.join(pack, "build")), with_cuda=True)
     shutil.copy(module.__file__, os.path.join(pack, "python"))
-    print(f"{build['flash-attn']}: binding compiled and linked in {time.time() - t0:.0f} s ({module.__file__})")
+    print(f"flash-attn {build['flash-attn']}: binding compiled and linked in {time.time() - t0:.0f} s ({module.__file__})")
     sys.path.insert(0, os.path.join(pack, "python"))
     check()
 

@@ -6,8 +6,9 @@
 # split-KV, every head_dim and dtype) for sm_90 only, against the headers of the image's torch
 # (2.11.0+cu130, from its PyPI wheel), with flash-attn's own switches that leave out what no
 # caller here uses (dropout, ALiBi, softcap, local windows, head_dims other than the kernels'
-# 32, 64, 96, 128, 192 and 256, the backward pass). flash_api.cpp (the Python binding) is compiled and linked on the
-# device (scripts/device_check.sh, FLASH_TAR), against the image's Python and torch.
+# 32, 64, 96, 128, 192 and 256, the backward pass). flash_api.cpp (the Python binding) is
+# compiled and linked on the device (scripts/link_flash_attn.py through device_check.sh's
+# FLASH_TAR), against the image's Python and torch.
 #   bash scripts/pack_flash_attn.sh          # here, once (~28 min on 2 cores); writes .flash/*.tar.xz (ignored)
 #   FLASH_TAR=.flash/flash-attn-2.8.3.post2-sm90.tar.xz bash scripts/device_check.sh flash ...
 # One change to flash-attn's source: with FLASHATTENTION_DISABLE_BACKWARD its Python entry
@@ -18,7 +19,7 @@ V=${FLASH_ATTN_VERSION:-2.8.3.post2}
 SHA=${FLASH_ATTN_SHA256:-d0f9f0b08a986cdeadbffcf5ec8b3a8f514366c68ad1853d3ab061bc83cc340b}
 TORCH=${TORCH_VERSION:-2.11.0}   # the device image's torch: its headers are what the kernels are built against
 cd "$(dirname "$0")/.."
-command -v nvcc > /dev/null || { echo "nvcc not found (CUDA 12.3 or newer)"; exit 1; }
+command -v nvcc > /dev/null || { echo "nvcc not found: a CUDA toolkit is needed (13.0 matches the GPU image's)"; exit 1; }
 work=${WORK:-$(mktemp -d)}; mkdir -p "$work"
 [ -n "${WORK:-}" ] || trap 'rm -rf "$work"' EXIT
 if [ ! -d "$work/src" ]; then
