@@ -59,15 +59,17 @@ def synthetic_view(batch: int, context: int, kv_heads: int, head_dim: int, cfg: 
     return PagedView(pages, sink_k, sink_v, table.to(device), ns, rnd(batch, H, tail, D), rnd(batch, H, tail, D))
 
 
-def copy_view(view: PagedView) -> PagedView:
-    """`view` in fresh memory on its device. The timed copies of a view are there to defeat
-    the L2 cache by their addresses, not their values: cloning one on the device spares
-    drawing each on the host (~3 GB a format and case, seconds each)."""
-    pages = Pages(view.pages.fmt, **{name: t.clone() for name, t in view.pages.tensors().items()})
-    return replace(view, pages=pages, sink_k=view.sink_k.clone(), sink_v=view.sink_v.clone(), block_table=view.block_table.clone(),
-                   tail_k=view.tail_k.clone(), tail_v=view.tail_v.clone(),
-                   tail_len=None if view.tail_len is None else view.tail_len.clone(),
-                   n_blocks=None if view.n_blocks is None else view.n_blocks.clone())
+def copy_view(view: PagedView, device=None) -> PagedView:
+    """`view` in fresh memory, on `device` (default: its own). The timed copies of a view are
+    there to defeat the L2 cache by their addresses, not their values: cloning one on the
+    device spares drawing each on the host (~3 GB a format and case, seconds each)."""
+
+    def copy(t):
+        return None if t is None else t.to(t.device if device is None else device, copy=True)
+
+    pages = Pages(view.pages.fmt, **{name: copy(t) for name, t in view.pages.tensors().items()})
+    return replace(view, pages=pages, sink_k=copy(view.sink_k), sink_v=copy(view.sink_v), block_table=copy(view.block_table),
+                   tail_k=copy(view.tail_k), tail_v=copy(view.tail_v), tail_len=copy(view.tail_len), n_blocks=copy(view.n_blocks))
 
 
 def view_nbytes(view: PagedView) -> int:

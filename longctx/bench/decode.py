@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import KVConfig
+from ..ops.backend import flash_available
 from ..ops.pages import PagedView
 from .common import (_fit_copies, _free_bytes, _no_room, _out_of_memory, _setup, _time, _time_graph, copy_view, synthetic_view,
                      view_bytes, view_nbytes)
@@ -126,7 +127,7 @@ def bench_decode(
             case.append(_sdpa_row(q, T, B, H, D, timer, reps))
             if not graph:
                 case.append(_flex_row(q, B, T, H, D, block_size, reps))
-            if torch.device(device).type == "cuda" and _flash_attn_installed():
+            if torch.device(device).type == "cuda" and flash_available():
                 case.append(_flash_attn_row(q, T, B, H, D, timer, reps))
         for name, cfg in cfgs.items():
             label, (kv_bytes, copy_bytes) = f"longctx {cfg.describe()}", _sizes(B, T, H, D, cfg)
@@ -190,12 +191,6 @@ def _sdpa_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> DecodeRow:
     finally:
         kvs.clear()
         torch.cuda.empty_cache()
-
-
-def _flash_attn_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("flash_attn") is not None
 
 
 FLASH_ATTN_PAGE = 256  # flash-attn 2's paged kernel takes pages of a multiple of 256 tokens

@@ -193,12 +193,13 @@ def _flash_vs_fp64(case, stage, device):
     """The flash backend on `case` (its view sealed on the CPU, then moved to `device`) against
     the fp64 oracle, which reads the same fp16 keys and values as flash-attn's pages; returns
     the view's block count."""
+    from longctx.bench import copy_view
     from longctx.ops.paged_attention.flash import paged_attention_flash
 
     B, T, C, Hq, Hkv, D, P, kw, pad = case
     cfg = KVConfig(block_size=P, **kw)
     cache, k, v = fill(cfg, B, T, C, Hkv, D)
-    view = _moved(cache.view(0), device)
+    view = copy_view(cache.view(0), device)
     q = torch.randn(B, Hq, C, D, generator=torch.Generator().manual_seed(7)).half()
     start = torch.tensor([min(8 * b, T - 1) for b in range(B)], dtype=torch.int32) if pad else None
     out, lse = paged_attention_flash(q.to(device), view, None if start is None else start.to(device), None,
@@ -209,19 +210,6 @@ def _flash_vs_fp64(case, stage, device):
     assert_close_fp64(out.cpu(), ref_out, atol=1e-3, rtol=1e-3, what="out")  # fp16 output: one rounding
     assert_close_fp64(lse.cpu(), ref_lse, atol=2e-5, rtol=1e-5, what="lse")
     return view.block_table.shape[1]
-
-
-def _moved(view, device):
-    from dataclasses import replace
-
-    from longctx.ops.pages import Pages
-
-    def to(t):
-        return None if t is None else t.to(device)
-
-    pages = Pages(view.pages.fmt, **{name: to(t) for name, t in view.pages.tensors().items()})
-    return replace(view, pages=pages, sink_k=to(view.sink_k), sink_v=to(view.sink_v), block_table=to(view.block_table),
-                   tail_k=to(view.tail_k), tail_v=to(view.tail_v), tail_len=to(view.tail_len), n_blocks=to(view.n_blocks))
 
 
 @pytest.mark.parametrize("stage", ["one-slice", "block-slices"])
