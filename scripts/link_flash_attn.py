@@ -23,6 +23,8 @@ def main(pack: str) -> None:
     import torch
     from torch.utils.cpp_extension import load
 
+    if not os.path.isfile(os.path.join(pack, "BUILD")):
+        sys.exit(f"{pack} is not an unpacked flash-attn pack (it has no BUILD file): scripts/pack_flash_attn.sh makes one")
     build = dict(line.split(" ", 1) for line in open(os.path.join(pack, "BUILD")).read().splitlines())
     if build["torch"] != torch.__version__:
         sys.exit(f"the pack's kernels were built against torch {build['torch']}, this machine has {torch.__version__}: "

@@ -24,9 +24,11 @@ work=${WORK:-$(mktemp -d)}; mkdir -p "$work"
 [ -n "${WORK:-}" ] || trap 'rm -rf "$work"' EXIT
 if [ ! -d "$work/src" ]; then
   # (pip download builds an sdist's metadata, which needs CUDA_HOME and torch: fetch the file itself)
-  url=$(curl -sSf https://pypi.org/simple/flash-attn/ | grep -o "https://[^\"#]*/flash_attn-$V.tar.gz" | head -1)
+  url=$(curl -sSf https://pypi.org/simple/flash-attn/ | grep -o "https://[^\"#]*/flash_attn-$V.tar.gz" | head -1 || true)
+  [ -n "$url" ] || { echo "PyPI has no flash_attn-$V.tar.gz (FLASH_ATTN_VERSION)"; exit 1; }
   curl -sSfL -o "$work/flash_attn-$V.tar.gz" "$url"
-  echo "$SHA  $work/flash_attn-$V.tar.gz" | sha256sum -c -
+  echo "$SHA  $work/flash_attn-$V.tar.gz" | sha256sum -c --quiet - \
+    || { echo "flash_attn-$V.tar.gz does not match sha256 $SHA (another version needs its FLASH_ATTN_SHA256)"; exit 1; }
   tar xzf "$work/flash_attn-$V.tar.gz" -C "$work" && mv "$work/flash_attn-$V" "$work/src"
 fi
 if [ ! -d "$work/torch/include" ]; then
