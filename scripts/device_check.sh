@@ -2,6 +2,7 @@
 # Device calls: versions, GPU tests (kernels vs reference and fp64), then the benchmarks, most
 # important first. One call runs at most 10 minutes, so name the stages each call runs:
 #   bash scripts/device_check.sh decode_graph                 # the acceptance's bench rows in one run, ~5 min
+#   GPU=H200 bash scripts/device_check.sh decode_graph seal e2e   # only where the card is an H200
 #   bash scripts/device_check.sh decode e2e seal               # ~8 min
 #   bash scripts/device_check.sh prof                          # ncu of the decode kernel
 #   bash scripts/device_check.sh walk decode_graph             # the page walk's floor, then the bench
@@ -20,6 +21,12 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# GPU=H200: run nothing unless the GPU's name holds that text (the acceptance's figures are the
+# H200's; a call that lands on another card then costs only the start)
+if [ -n "${GPU:-}" ]; then
+  name=$(python3 -c "import torch; print(torch.cuda.get_device_name())")
+  case "$name" in *"$GPU"*) ;; *) echo "GPU is $name, not $GPU: nothing run"; exit 0 ;; esac
+fi
 # TRITON_TAR=.triton/triton-3.8.0.tar.xz (carry .triton; scripts/pack_triton.sh makes it): every
 # stage runs on that Triton instead of the image's
 if [ -n "${TRITON_TAR:-}" ]; then
