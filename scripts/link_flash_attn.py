@@ -18,6 +18,8 @@ import shutil
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # longctx, from this checkout
+
 
 def main(pack: str) -> None:
     import torch
@@ -38,24 +40,24 @@ def main(pack: str) -> None:
     shutil.copy(module.__file__, os.path.join(pack, "python"))
     print(f"flash-attn {build['flash-attn']}: binding compiled and linked in {time.time() - t0:.0f} s ({module.__file__})")
     sys.path.insert(0, os.path.join(pack, "python"))
-    check()
+    check("cuda")
 
 
-def check() -> None:
-    """flash_attn_with_kvcache over shuffled bf16 pages of 256 tokens against SDPA over the same
-    keys and values in order (Llama-3-8B's heads, 1,000 tokens, batch 2)."""
+def check(device: str) -> None:
+    """flash_attn_with_kvcache over shuffled bf16 pages of 256 tokens (`bench decode`'s peer's
+    pages) against SDPA over the same keys and values in order (Llama-3-8B's heads, 1,000
+    tokens, batch 2)."""
     import torch
 
     import flash_attn
     from flash_attn import flash_attn_with_kvcache
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    B, Hq, H, D, T, P = 2, 32, 8, 128, 1000, 256
-    n = -(-T // P)
-    k, v = (torch.randn(B * n, P, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    table = torch.randperm(B * n, device="cuda", generator=g).to(torch.int32).reshape(B, n)
-    q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=torch.full((B,), T, dtype=torch.int32, device="cuda"), block_table=table)
+    from longctx.bench import flash_attn_pages
+
+    B, Hq, H, D, T = 2, 32, 8, 128, 1000
+    k, v, table = flash_attn_pages(B, T, H, D, device, seed=0)
+    q = torch.randn(B, 1, Hq, D, device=device, dtype=torch.bfloat16, generator=torch.Generator(device=device).manual_seed(1))
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=torch.full((B,), T, dtype=torch.int32, device=device), block_table=table)
     kd, vd = (x[table.long()].reshape(B, -1, H, D)[:, :T].transpose(1, 2).float() for x in (k, v))
     ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2).float(), kd, vd, enable_gqa=True).transpose(1, 2)
     err = (out.float() - ref).abs().max().item()
