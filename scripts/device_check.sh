@@ -6,6 +6,7 @@
 #   bash scripts/device_check.sh decode e2e seal               # ~8 min
 #   bash scripts/device_check.sh prof                          # ncu of the decode kernel
 #   bash scripts/device_check.sh walk decode_graph             # the page walk's floor, then the bench
+#   GPU=H200 bash scripts/device_check.sh floor                # the fastest plain read of a step's bytes, ~4 min
 #   AB="side_stages=3 side_skip=False" bash scripts/device_check.sh ab   # kernel times, defaults vs AB's sets, alternating
 #   AB="asm=4" bash scripts/device_check.sh bench_ab          # the bench's whole call, defaults vs AB's sets
 #   TRITON_TAR=.triton/triton-3.8.0.tar.xz bash scripts/device_check.sh ...   # on a carried Triton (scripts/pack_triton.sh)
@@ -56,6 +57,8 @@ TAIL=8 stage host 40 python3 scripts/diag_host.py
 # flash: the `flash` backend, `bench decode`'s flash-attn peer and `info` against flash-attn
 # itself (FLASH_TAR; without it these tests skip or take the not-installed path)
 TAIL=8 stage flash 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/ops/test_paged_attention.py tests/test_cli.py -k "flash or bench_decode or info"
+# floor: the fastest plain read of int4's and bf16's bytes against SDPA and the int4 call (the ceiling a kernel has)
+TAIL=16 stage floor 420 python3 scripts/read_floor.py
 # decode_graph: the acceptance's rows in one run, batch 1 at 4k, 128k and 512k and batch 8 at 32k (~250 s on a fresh machine)
 TAIL=30 stage decode_graph 330 python3 -m longctx bench decode --graph --cases 4k:1,128k:1,512k:1,32k:8 --formats int4,int8,bf16 --json "$OUT/decode_graph.json"
 stage decode 200 python3 -m longctx bench decode --contexts 4k,128k,512k --batch 1 --formats int4,int8,bf16 --json "$OUT/decode.json"
