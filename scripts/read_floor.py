@@ -5,8 +5,9 @@ For each case (context, batch; Llama-3-8B shape: 8 KV heads, head_dim 128) it re
 contiguous stream with no arithmetic but an XOR, as many bytes as the bench's int4 view holds
 for one step (codes and scales), and as many as SDPA's dense bf16 K and V. The stream kernel
 is swept over tile size, warps, pipeline stages and program count, and the fastest setting
-is timed again, twice, the lower time kept (the bench's rows keep their median). Then the bench's own rows for the same case (`bench_decode(..., graph=True)`:
-SDPA dense bf16 and the int4 call), so that every ratio comes from one process:
+is timed again, twice, the lower time kept (the bench's rows keep their median). Then the
+bench's own rows for the same case (`bench_decode(..., graph=True)`: SDPA dense bf16 and the
+int4 call), so that every ratio comes from one process:
 
   ceiling  = SDPA / fastest read of int4's bytes   (an int4 kernel beats it only by reading
              its bytes faster than every setting swept here)
