@@ -79,16 +79,6 @@ def check() -> None:
     print("stream kernel: XOR matches NumPy's at 4 sizes")
 
 
-def parse_cases(text: str) -> list[tuple[int, int]]:
-    out = []
-    for s in text.split(","):
-        ctx, b = s.split(":")
-        ctx = ctx.strip().lower()
-        T = int(float(ctx[:-1]) * 1024) if ctx.endswith("k") else int(ctx)
-        out.append((T, int(b)))
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="128k:1,512k:1,32k:8")
@@ -99,7 +89,8 @@ def main() -> None:
         check()
         return
     from longctx.bench.common import _copies, _setup, _time_graph
-    from longctx.bench.decode import _dense_bytes, _sizes, bench_decode
+    from longctx.bench.decode import _dense_bytes, _sizes, bench_decode, decode_cases
+    from longctx.cli.bench import _pairs
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -135,7 +126,7 @@ def main() -> None:
         return done[nbytes]
 
     lines = []
-    for T, B in parse_cases(a.cases):
+    for T, B in decode_cases(cases=_pairs(a.cases)):
         i4_bytes, _ = _sizes(B, T, H, D, cfgs["int4"])
         bf_bytes = _dense_bytes(B, T, H, D)
         r4, how4 = fastest(i4_bytes)
