@@ -158,7 +158,7 @@ class GraphDecoder:
 
     def _record(self) -> None:
         """A new graph of one step at the cache's present tables and tail."""
-        from .ops.paged_attention.triton import tiny_codes_exact
+        from .ops.paged_attention.tuning import tiny_codes_exact
 
         tiny_codes_exact(self.model.device)  # (its probe waits for its result: not inside a capture)
         self.graph = None  # (each graph records into a pool of its own, given back with it: on torch

@@ -34,7 +34,7 @@ def bench_prefill(contexts=(32768, 131072), chunks=(16384,), formats=("int4", "i
     kernel); the peer is SDPA (flash, lower-right causal) over dense bf16 K/V, as
     DynamicCache + SDPA prefill runs."""
     from ..cache import PagedKVCache
-    from ..ops.paged_attention import triton as kernels
+    from ..ops.paged_attention.tuning import TUNE
     from ..ops.paged_attention.prefill import sdpa_lower_right
 
     for path in paths:
@@ -75,8 +75,8 @@ def bench_prefill(contexts=(32768, 131072), chunks=(16384,), formats=("int4", "i
 
 def _time_chunk(cache, kernels, path: str, q, k, v, T: int, C: int, reps: int) -> float:
     """Median ms of (append the chunk, attend by `path`, seal) on a cache holding T - C tokens."""
-    saved = kernels.TUNE["prefill"]
-    kernels.TUNE["prefill"] = path
+    saved = TUNE["prefill"]
+    TUNE["prefill"] = path
     try:
         ts = []
         for i in range(reps + 1):  # the first compiles
@@ -92,6 +92,6 @@ def _time_chunk(cache, kernels, path: str, q, k, v, T: int, C: int, reps: int) -
             if i:
                 ts.append(s.elapsed_time(e))
     finally:
-        kernels.TUNE["prefill"] = saved
+        TUNE["prefill"] = saved
     ts.sort()
     return ts[len(ts) // 2]

@@ -1,29 +1,22 @@
 """The Hadamard rotation (`quant.hadamard`) in Triton, for the kernels that rotate: the fp16
-tensor-core form of a product with its signs, and a one-launch rotation of rows.
+tensor-core form of a product with its signs, and butterflies.
 
 A product with H = signs / sqrt(D) runs on fp16 tensor cores at fp32's accuracy: the values,
 scaled by a power of two into fp16's range, are split into fp16 parts (a head, then what it
 left, ...), each part is multiplied by the exact +-1 signs with fp32 sums, and 1/sqrt(D) and
-the power of two are taken back out at the end. The gather rotates its pages back this way;
-`rotate_triton` rotates the decode and prefill queries of rotated pages in one launch, where
-torch took three (a cast, the fp32 product and a cast back).
+the power of two are taken back out at the end. The gather rotates its pages back this way.
 
 The butterflies (`fwht`, `hadamard_planes`) rotate values held as a kernel's channel sub-tiles
 without any product: the decode kernel rotates its queries and its output with them in fp32, and
-the sealing kernel rotates K and V in fp64 before quantizing them.
-
-Never imports quant's torch rotation for its results; tests/ops/test_rotation.py compares
-`rotate_triton` with fp64.
+the sealing kernel rotates K and V in fp64 before quantizing them. Tests hold each kernel
+that rotates to the torch reference and an fp64 oracle (tests/ops/).
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ..quant import hadamard_scale, hadamard_signs
-from .backend import TRITON_OPTIONS
 
 
 @triton.jit
@@ -92,46 +85,3 @@ def hadamard_planes(x0, x1, x2, x3, PER: tl.constexpr, DS: tl.constexpr, scale):
         x2 = fwht(x2, DS) * scale
         x3 = fwht(x3, DS) * scale
     return x0, x1, x2, x3
-
-
-@triton.jit(do_not_specialize=["n_rows", "n1", "n2", "sx0", "sx1", "sx2", "sy0", "sy1", "sy2"])
-def _rotate_kernel(X, Y, SIGNS, n_rows, n1, n2, sx0, sx1, sx2, sy0, sy1, sy2,
-                   D: tl.constexpr, BR: tl.constexpr, PARTS: tl.constexpr, INV_SQRT_D: tl.constexpr):
-    """Rows BR * program_id(0) .. of X [n0, n1, n2, D] (unit stride along D) times H into Y
-    (its own strides), each row scaled into fp16's range by its own power of two."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    ok = rows < n_rows
-    i2 = rows % n2
-    i1 = (rows // n2) % n1
-    i0 = (rows // n2 // n1).to(tl.int64)
-    offs_d = tl.arange(0, D)
-    x = tl.load(X + (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    up = pow2_into_f16(tl.max(tl.abs(x), 1))
-    signs = tl.load(SIGNS + offs_d[:, None] * D + offs_d[None, :])
-    acc = dot_signs(x * up[:, None], signs, tl.zeros((BR, D), tl.float32), PARTS)
-    y = acc * (INV_SQRT_D / up)[:, None]
-    tl.store(Y + (i0 * sy0 + i1 * sy1 + i2 * sy2)[:, None] + offs_d[None, :], y.to(Y.dtype.element_ty), mask=ok[:, None])
-
-
-def rotate_triton(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] (at most 4 dims, D a power of two >= 16, fp32/fp16/bf16) times the Hadamard
-    matrix along D, in x's dtype and with x's strides where x is dense (else contiguous):
-    quant.rotate's result in one launch, each value's fp32 sum rounded once to x's dtype.
-    Shown in tests/ops/test_rotation.py."""
-    D = x.shape[-1] if x.dim() else 0
-    if x.dim() > 4 or x.dim() < 1 or D < 16 or D & (D - 1) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"rotate_triton: x must be [..., D] with at most 4 dims, D a power of two >= 16, fp32/fp16/bf16; got {x.dtype} {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    y = torch.empty_like(x)
-    if x.numel() == 0:
-        return y
-    shape = (1,) * (4 - x.dim()) + tuple(x.shape)
-    sx = (0,) * (4 - x.dim()) + tuple(x.stride())
-    sy = (0,) * (4 - y.dim()) + tuple(y.stride())
-    n_rows = shape[0] * shape[1] * shape[2]
-    BR = 16  # (a dot's rows: at least 16)
-    _rotate_kernel[(triton.cdiv(n_rows, BR),)](
-        x, y, hadamard_signs(D, x.device), n_rows, shape[1], shape[2], *sx[:3], *sy[:3],
-        D=D, BR=BR, PARTS=3 if x.dtype == torch.float32 else 2, INV_SQRT_D=hadamard_scale(D), num_warps=4, **TRITON_OPTIONS)
-    return y

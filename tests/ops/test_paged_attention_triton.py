@@ -14,7 +14,10 @@ from longctx import KVConfig, SharedMemoryError  # noqa: E402
 from longctx.ops.paged_attention import paged_attention  # noqa: E402
 from longctx.ops.paged_attention import prefill  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
-from longctx.ops.paged_attention.triton import TUNE, num_splits, paged_decode_triton, programs_fit  # noqa: E402
+from longctx.ops.paged_attention import merge as MERGE  # noqa: E402
+from longctx.ops.paged_attention import tuning as T  # noqa: E402
+from longctx.ops.paged_attention.triton import paged_decode_triton  # noqa: E402
+from longctx.ops.paged_attention.tuning import TUNE, loaded, num_splits, programs_fit  # noqa: E402
 from longctx.testing import attention_fp64, expected_dense  # noqa: E402
 
 from .test_paged_attention import fill  # noqa: E402
@@ -82,13 +85,14 @@ def _within_budget(case, dtype, starts=None):
     assert torch.isfinite(out).all()
     assert err_kernel <= max(2 * err_ref, FLOOR[dtype]), (err_kernel, err_ref)
     assert (lse.cpu().double() - exact_lse).abs().max().item() <= max(2 * (ref_lse.double() - exact_lse).abs().max().item(), FLOOR[dtype])
+    return K.decode_plans(qd, view, sd, D**-0.5, splits=sp)[-1]  # (the call's own plan, from the cache)
 
 
 def test_decode_plans_are_cached_and_keyed(monkeypatch):
     """A decode call's plan (splits, loop shape, constexprs) is built once and reused while
     what decides it stays: the same call again takes it from the cache and gives the same
     bits; a longer context (more blocks), another TUNE or left padding gets its own plan,
-    within the budget; the STAMP and BOUND hooks' experiments are not cached."""
+    within the budget."""
     monkeypatch.setattr(K, "_PLANS", {})
     case = (1, 300, 8, 2, 64, 16, dict(bits=4), False, None)
     cfg = KVConfig(block_size=16, bits=4)
@@ -106,12 +110,8 @@ def test_decode_plans_are_cached_and_keyed(monkeypatch):
     _within_budget(case, torch.float16)
     _within_budget(case, torch.float16, starts=[7])
     assert len(K._PLANS) == 4
-    st = K._setup(q[:, :, 0], view, None, "test", consts=False)
+    st = K.setup(q[:, :, 0], view, None, "test", consts=False)
     assert K._plan_key(st, q, view, None, None, False) in K._PLANS
-    for hook in ("STAMP", "BOUND"):  # (the interpreter runs no %globaltimer: the key alone)
-        with monkeypatch.context() as m:
-            m.setattr(K, hook, torch.zeros(4, dtype=torch.int32, device=DEVICE))
-            assert K._plan_key(st, q, view, None, None, False) is None
 
 
 # (B, T, Hq, Hkv, D, block, cfg kwargs, padding, splits): tails of 12, 4 and 2 tokens in blocks of 16
@@ -173,9 +173,8 @@ DEVICE_COUNT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["shares", "apart"])
 @pytest.mark.parametrize("case", DEVICE_COUNT_CASES, ids=[case_id(c) for c in DEVICE_COUNT_CASES])
-def test_device_block_count(case, apart, monkeypatch):
+def test_device_block_count(case):
     """A table with room whose block count is on the device (seals between a CUDA graph's
     replays add columns in place): the kernel, planned once for the table's width, works out
     each split's share from the count it loads and reads only the counted columns, for every
@@ -184,7 +183,6 @@ def test_device_block_count(case, apart, monkeypatch):
     cut table."""
     import dataclasses
 
-    monkeypatch.setitem(TUNE, "side_apart", apart)
     B, T, Hq, Hkv, D, P, kw, pad, sp = case
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     cfg = KVConfig(block_size=P, **kw)
@@ -265,15 +263,28 @@ def test_launch_fits_one_wave():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for bits, side, warps, cap, stages in [(8, TUNE["side"], TUNE["side"], TUNE["side_programs"], TUNE["side_stages"]),
                                            (16, 0, TUNE["num_warps"], TUNE["programs16"], TUNE["stages16"])]:
-        paged_attention(q, synthetic_view(1, 65536, 8, 128, KVConfig(bits=bits, block_size=64), "cuda"), backend="triton")
-        k, (rows, splits) = K.LAST["kernel"], K.LAST["grid"]
+        view = synthetic_view(1, 65536, 8, 128, KVConfig(bits=bits, block_size=64), "cuda")
+        paged_attention(q, view, backend="triton")
+        plan = K.decode_plans(q, view)[-1]
+        k, (rows, splits) = loaded(K.compiled_kernel(plan, q, view)), plan.grid
         slots = min(cap, programs_fit(k.n_regs, k.metadata.shared, warps, torch.cuda.get_device_properties(0))) * sms
-        assert K.LAST["side"] == side and k.metadata.num_warps == warps and k.metadata.num_stages == stages
+        assert plan.summary["side"] == side and k.metadata.num_warps == warps and k.metadata.num_stages == stages
         assert rows == 8 and 0.9 * slots < rows * splits <= slots  # (whole steps per split round a little off)
     # 4k: a page or two per program, side_short of them a step
-    paged_attention(q, synthetic_view(1, 4096, 8, 128, KVConfig(bits=4, block_size=64), "cuda"), backend="triton")
-    assert K.LAST["side"] == TUNE["side_short"] and K.LAST["kernel"].metadata.num_warps == TUNE["side_short"]
-    assert K.LAST["grid"][1] == 64 // TUNE["side_short"] and K.LAST["kernel"].metadata.num_stages == TUNE["side_stages"]
+    view = synthetic_view(1, 4096, 8, 128, KVConfig(bits=4, block_size=64), "cuda")
+    paged_attention(q, view, backend="triton")
+    plan = K.decode_plans(q, view)[-1]
+    k = K.compiled_kernel(plan, q, view)
+    assert plan.summary["side"] == TUNE["side_short"] and k.metadata.num_warps == TUNE["side_short"]
+    assert plan.grid[1] == 64 // TUNE["side_short"] and k.metadata.num_stages == TUNE["side_stages"]
+
+
+def _plain_inputs(case, dtype):
+    """(q, view) on the device for an unpadded case, as _within_budget builds them."""
+    B, T, Hq, Hkv, D, P, kw, pad, sp = case
+    cache, _, _ = fill(KVConfig(block_size=P, **kw), B, T, 1, Hkv, D, dtype=dtype, seed=T)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(T + 1)).to(dtype)
+    return q.to(DEVICE), _to(cache.view(0), DEVICE)
 
 
 def _long(case, splits):
@@ -286,24 +297,19 @@ SIDE_CASES = [_long(CASES[1], 1), _long(CASES[3], 2), _long(CASES[4], 2), _long(
               _long(CASES[11], 2)]
 
 
-@pytest.mark.parametrize("side, k16, vt", [(1, 1, False), (2, 1, False), (4, 1, False), (2, 3, False), (2, 0, False), (1, 1, True),
-                                          (2, 1, True)], ids=lambda v: str(int(v)))
+@pytest.mark.parametrize("side", [1, 2])
 @pytest.mark.parametrize("case", SIDE_CASES, ids=[case_id(c) for c in SIDE_CASES])
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
-def test_side_by_side_pages_within_budget(case, side, k16, vt, dtype, monkeypatch):
-    """Sealed pages side by side (one a warp, folded into one softmax state at the end), with
-    each of K's arithmetics (scales folded into the query, 16-bit dequantization, fp32) and
-    both value paths (dequantized, or transposed with their scales folded into the
-    probabilities): the grid's error budget, with padding, rotation, int2, GQA 3, V groups of
-    16 and 32, one split and merged splits."""
-    if dtype == torch.float32 and (k16 != 1 or vt):
-        pytest.skip("fp32 inputs take K and V in fp32 whatever side_k16 and side_vt say: the (.., 1, 0) cases run them")
+def test_side_by_side_pages_within_budget(case, side, dtype, monkeypatch):
+    """Sealed pages side by side (one a warp, folded into one softmax state at the end), one
+    or two a step: K's scales folded into the query and V transposed with its scales folded
+    into the probabilities (16-bit inputs), or both in fp32 (fp32 inputs); the grid's error
+    budget, with padding, rotation, int2, GQA 3, V groups of 16 and 32, one split and merged
+    splits."""
     monkeypatch.setitem(TUNE, "side", side)
-    monkeypatch.setitem(TUNE, "side_k16", k16)
-    monkeypatch.setitem(TUNE, "side_vt", vt)
-    test_triton_decode_within_budget(case, dtype)
+    plan = _within_budget(case, dtype)
     half = dtype != torch.float32
-    assert K.LAST["side"] == side and K.LAST["k16"] == (k16 if half else 0) and K.LAST["svt"] == (vt and half)
+    assert plan.summary["side"] == side and plan.summary["k16"] == int(half) and plan.summary["v_transposed"] == half
 
 
 @pytest.mark.parametrize("side", [1, 2])
@@ -314,42 +320,26 @@ def test_side_by_side_masks_padding_in_sealed_pages(side, kw, dtype, monkeypatch
     padding of a few tokens stays in the sink block): whole padded pages and one cut in the
     middle, in programs of several pages; a row without padding beside it."""
     monkeypatch.setitem(TUNE, "side", side)
-    _within_budget((2, 300, 8, 2, 64, 16, kw, True, 3), dtype, starts=[0, 83])
-    assert K.LAST["side"] == side
+    plan = _within_budget((2, 300, 8, 2, 64, 16, kw, True, 3), dtype, starts=[0, 83])
+    assert plan.summary["side"] == side
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=lambda v: f"apart{int(v)}")
-@pytest.mark.parametrize("case", SIDE_CASES, ids=[case_id(c) for c in SIDE_CASES])
-@pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
-def test_side_apart_within_budget(case, apart, dtype, monkeypatch):
-    """TUNE["side_apart"]: with more than one split the sinks and the tail (every case has a
-    tail) get the last split to themselves and the sealed pages the others; without it each
-    split takes its share of the logical blocks, whatever they hold."""
-    monkeypatch.setitem(TUNE, "side_apart", apart)
-    test_triton_decode_within_budget(case, dtype)
-    assert K.LAST["apart"] == (apart and case[-1] > 1)
-
-
-# pages of more than 64 tokens, which go side by side as tiles of 64 (TUNE["side_tiles"])
 TILE_CASES = [(2, 600, 8, 2, 64, 128, dict(bits=4), True, 2), (1, 700, 4, 1, 128, 256, dict(bits=4, group_size=32), False, 1),
               (2, 520, 9, 3, 64, 128, dict(bits=2, rotate=True), True, 3), (1, 400, 8, 2, 128, 128, dict(bits=8), False, 2),
               (2, 600, 4, 2, 64, 256, dict(bits=4, k_bits=8), True, 1)]
 
 
-@pytest.mark.parametrize("side, vt", [(1, True), (2, True), (1, False)], ids=lambda v: str(int(v)))
+@pytest.mark.parametrize("side", [1, 2])
 @pytest.mark.parametrize("case", TILE_CASES, ids=[case_id(c) for c in TILE_CASES])
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
-def test_side_by_side_tiles_of_big_pages_within_budget(case, side, vt, dtype, monkeypatch):
+def test_side_by_side_tiles_of_big_pages_within_budget(case, side, dtype, monkeypatch):
     """Pages of 128 and 256 tokens side by side, each as tiles of 64 tokens that share the
     page's K scales: the grid's budget with GQA 3 and 4, int2 with rotation, int8, k8v4, V
     groups of 32, left padding, one split and several."""
-    if dtype == torch.float32 and vt:
-        pytest.skip("fp32 inputs take V in fp32 whatever side_vt says: the vt0 case runs them")
     monkeypatch.setitem(TUNE, "side", side)
     monkeypatch.setitem(TUNE, "side_short", side)  # (programs of at most two pages)
-    monkeypatch.setitem(TUNE, "side_vt", vt)
-    test_triton_decode_within_budget(case, dtype)
-    assert K.LAST["side"] == side
+    plan = _within_budget(case, dtype)
+    assert plan.summary["side"] == side
 
 
 @pytest.mark.parametrize("side", [1, 2])
@@ -360,18 +350,10 @@ def test_side_by_side_tiles_mask_padding(P, starts, side, dtype, monkeypatch):
     the sink page), in programs of several pages, beside a row padded less."""
     monkeypatch.setitem(TUNE, "side", side)
     monkeypatch.setitem(TUNE, "side_short", side)  # (programs of at most two pages)
-    _within_budget((2, 900, 8, 2, 64, P, dict(bits=4), True, 2), dtype, starts=starts)
-    assert K.LAST["side"] == side
+    plan = _within_budget((2, 900, 8, 2, 64, P, dict(bits=4), True, 2), dtype, starts=starts)
+    assert plan.summary["side"] == side
 
 
-def test_big_pages_take_the_2d_loop_without_side_tiles(monkeypatch):
-    """TUNE["side_tiles"] False: pages of more than 64 tokens go through the 2-D loop, as before."""
-    monkeypatch.setitem(TUNE, "side_tiles", False)
-    test_triton_decode_within_budget(TILE_CASES[0], torch.float16)
-    assert K.LAST["side"] == 0
-
-
-# the 2-D loop (pages with a 16-bit side, or TUNE["side"] 0) reading pages in tiles (TUNE["loop_tile"])
 LOOP_TILES = [
     ((1, 600, 8, 2, 64, 256, dict(bits=16), False, 2), 64),  # the case it is for: 16-bit pages of 256 tokens
     ((2, 330, 9, 3, 64, 64, dict(bits=16), False, 3), 16),  # padding (starts) ends in a sealed page's third tile
@@ -393,8 +375,8 @@ def test_2d_loop_in_tiles_of_a_page_within_budget(i, dtype, monkeypatch):
     monkeypatch.setitem(TUNE, "loop_tile", tile)
     monkeypatch.setitem(TUNE, "side", 0)  # (quantized pages: the 2-D loop)
     monkeypatch.setattr(K, "_PLANS", {})
-    _within_budget(case, dtype, starts=LOOP_STARTS.get(i))
-    assert K.LAST["tile"] == tile and K.LAST["side"] == 0
+    plan = _within_budget(case, dtype, starts=LOOP_STARTS.get(i))
+    assert plan.summary["tile"] == tile and plan.summary["side"] == 0
 
 
 def test_loop_tile_option(monkeypatch):
@@ -404,8 +386,8 @@ def test_loop_tile_option(monkeypatch):
     monkeypatch.setattr(K, "_PLANS", {})
     for tile in (0, 64, 256):
         monkeypatch.setitem(TUNE, "loop_tile", tile)
-        _within_budget(case, torch.float32)
-        assert K.LAST["tile"] == 0
+        plan = _within_budget(case, torch.float32)
+        assert plan.summary["tile"] == 0
     for bad in (8, 48, True, 32.0):
         monkeypatch.setitem(TUNE, "loop_tile", bad)
         with pytest.raises(ValueError, match="loop_tile"):
@@ -428,7 +410,7 @@ def test_2d_loop_takes_tiles_where_whole_pages_do_not_fit(monkeypatch):
     asked = []
 
     def compiled(fn, grid, args, consts, limit):
-        assert fn is K._decode_kernel and consts["DENSE"] == consts["TD"] and consts["PAGES"] == 1
+        assert fn is K.decode_kernel and consts["DENSE"] == consts["TD"]
         asked.append((consts["TD"], consts["num_stages"]))
         need, spills = made[asked[-1]]
         return need, spills if need <= limit else None
@@ -444,187 +426,105 @@ def test_2d_loop_takes_tiles_where_whole_pages_do_not_fit(monkeypatch):
         K._loop_fit((1,), (), dict(num_stages=2, X=1), [128, 64, 32, 16], 0)
 
 
-# int8 pages (and mixed int8 K, int4 V), which go side by side with TUNE["side_bits"] 8
+# int8 pages (and mixed int8 K, int4 V), which go side by side too
 SIDE8_CASES = [_long(CASES[2], 1), _long(CASES[6], 2), _long(CASES[9], 2), CASES[13]]
 
 
-@pytest.mark.parametrize("vt", [False, True], ids=lambda v: f"vt{int(v)}")
 @pytest.mark.parametrize("case", SIDE8_CASES, ids=[case_id(c) for c in SIDE8_CASES])
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
-def test_side_by_side_int8_pages_within_budget(case, vt, dtype, monkeypatch):
-    """int8 pages side by side (TUNE["side_bits"] 8; on the GPU through the byte blocks of
-    inline PTX, the codes as fp16 subnormals: TUNE["side_tiny"]), both value paths."""
-    if dtype == torch.float32 and vt:
-        pytest.skip("fp32 inputs take V in fp32 whatever side_vt says: the vt0 case runs them")
-    monkeypatch.setitem(TUNE, "side_bits", 8)
-    monkeypatch.setitem(TUNE, "side_vt", vt)
-    test_triton_decode_within_budget(case, dtype)
+def test_side_by_side_int8_pages_within_budget(case, dtype):
+    """int8 pages side by side (on the GPU through the byte blocks of inline PTX, the codes as
+    fp16 subnormals where the probe allows), V transposed for 16-bit inputs."""
+    plan = _within_budget(case, dtype)
     half = dtype != torch.float32
-    assert K.LAST["side"] == TUNE["side"] and K.LAST["k16"] == (TUNE["side_k16"] if half else 0) and K.LAST["svt"] == (vt and half)
-
-
-@pytest.mark.parametrize("side, vt, zdot", [(1, True, 8), (2, True, 8), (1, False, 8), (1, True, 0)], ids=lambda v: str(int(v)))
-@pytest.mark.parametrize("case", SIDE_CASES + SIDE8_CASES, ids=[case_id(c) for c in SIDE_CASES + SIDE8_CASES])
-@pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
-def test_side_zdot_within_budget(case, side, vt, zdot, dtype, monkeypatch):
-    """TUNE["side_zdot"]: with the values transposed (side_vt), V's zero-point term as a small
-    fp16 dot instead of a sum over the page's tokens for V of at most that many bits (8: all;
-    0: none, the sum for all); without side_vt it has nothing to do. (The default, 4, runs in
-    the other side-by-side tests: the dot for int4 and int2 V, the sum for int8.)"""
-    monkeypatch.setitem(TUNE, "side_zdot", zdot)
-    monkeypatch.setitem(TUNE, "side", side)
-    monkeypatch.setitem(TUNE, "side_vt", vt)
-    test_triton_decode_within_budget(case, dtype)
-    assert K.LAST["side"] == side and K.LAST["svt"] == vt and K.LAST["zdot"] == (vt and zdot > 0)
-
-
-@pytest.mark.parametrize("side, k16, vt, tiny", [(1, 1, True, True), (2, 1, True, True), (1, 1, False, True), (1, 3, True, True),
-                                                (1, 1, True, False), (1, 1, False, False)], ids=lambda v: str(int(v)))
-@pytest.mark.parametrize("case", SIDE_CASES + SIDE8_CASES + TILE_CASES[:2], ids=[case_id(c) for c in SIDE_CASES + SIDE8_CASES + TILE_CASES[:2]])
-@pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
-def test_side_tiny_codes_within_budget(case, side, k16, vt, tiny, dtype, monkeypatch):
-    """TUNE["side_tiny"] (on by default): the side loop's codes as fp16 subnormals (c * 2^-24;
-    int4's odd nibbles 16c * 2^-24) in K's dots against q*s (side_k16 1) and in V's transposed
-    dots (side_vt), the units taken out after the page's K dots and at the end of V's: the
-    grid's budget with int4, int8, int2 with rotation, k8v4, V groups of 16 and 32, padding,
-    GQA 3, tiles of big pages; with K dequantized in 16 bits (side_k16 3) or V not transposed
-    only the other side takes them. Off, K's codes go in as fp16 1024 + c and V's exact, as
-    before. (On the CPU the interpreter's codes go through the generic conversion; the
-    inline-PTX masks run on the GPU.)"""
-    monkeypatch.setitem(TUNE, "side_tiny", tiny)
-    monkeypatch.setitem(TUNE, "side", side)
-    monkeypatch.setitem(TUNE, "side_short", side)  # (programs of at most two pages)
-    monkeypatch.setitem(TUNE, "side_k16", k16)
-    monkeypatch.setitem(TUNE, "side_vt", vt)
-    monkeypatch.setitem(TUNE, "side_bits", 8)
-    test_triton_decode_within_budget(case, dtype)
-    assert K.LAST["side"] == side and K.LAST["tiny"] == tiny and K.LAST["svt"] == vt
+    assert plan.summary["side"] == TUNE["side"] and plan.summary["k16"] == int(half) and plan.summary["v_transposed"] == half
 
 
 def test_tiny_probe_tells_exact_from_flushed_subnormals():
     """The probe's verdict: the exact product passes; operands flushed to zero (what PTX allows
     mma to do with subnormal inputs), or codes that lose their low bit, do not. Then the probe
     itself on this test's device (the interpreter on the CPU), cached."""
-    codes, b = K._tiny_probe_inputs()
+    codes, b = T._tiny_probe_inputs()
     exact = ((codes.double() * 2.0**-24) @ b.double()).float()
-    assert K._tiny_probe_verdict(exact, codes, b)
-    assert not K._tiny_probe_verdict(torch.zeros_like(exact), codes, b)
+    assert T._tiny_probe_verdict(exact, codes, b)
+    assert not T._tiny_probe_verdict(torch.zeros_like(exact), codes, b)
     truncated = (((codes & ~1).double() * 2.0**-24) @ b.double()).float()
-    assert not K._tiny_probe_verdict(truncated, codes, b)
+    assert not T._tiny_probe_verdict(truncated, codes, b)
     device = torch.device(DEVICE)
-    K._TINY_OK.pop(K._device_key(device), None)
-    assert K.tiny_codes_exact(device) is True and K._TINY_OK[K._device_key(device)] is True
+    T._TINY_OK.pop(T._device_key(device), None)
+    assert T.tiny_codes_exact(device) is True and T._TINY_OK[T._device_key(device)] is True
 
 
 def test_side_tiny_falls_back_where_the_probe_fails(monkeypatch):
     """A device whose dots do not multiply subnormal fp16 exactly gets the biased and exact
-    codes (side_tiny's default notwithstanding), within the grid's budget."""
-    monkeypatch.setitem(K._TINY_OK, K._device_key(torch.device(DEVICE)), False)
-    test_triton_decode_within_budget(SIDE_CASES[1], torch.float16)
-    assert K.LAST["side"] and TUNE["side_tiny"] and not K.LAST["tiny"]
-    monkeypatch.setitem(K._TINY_OK, K._device_key(torch.device(DEVICE)), True)
-    test_triton_decode_within_budget(SIDE_CASES[1], torch.float16)
-    assert K.LAST["tiny"]
-
-
-@pytest.mark.parametrize("skip", [False, True], ids=lambda v: f"skip{int(v)}")
-@pytest.mark.parametrize("case", SIDE_CASES + SIDE8_CASES, ids=[case_id(c) for c in SIDE_CASES + SIDE8_CASES])
-@pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
-def test_side_skip_within_budget(case, skip, dtype, monkeypatch):
-    """TUNE["side_skip"]: side by side, programs with no sink page and no tail block skip the
-    unquantized loops; those with some (the first and last splits of a row) still read them.
-    Off, every program runs them (with nothing to do in most)."""
-    monkeypatch.setitem(TUNE, "side_skip", skip)
-    test_triton_decode_within_budget(case, dtype)
-    assert K.LAST["side"] and not K.LAST["short"] and K.LAST["skip"] == skip
+    codes, within the grid's budget; one whose dots do gets the tiny codes."""
+    monkeypatch.setattr(K, "_PLANS", {})
+    monkeypatch.setitem(T._TINY_OK, T._device_key(torch.device(DEVICE)), False)
+    plan = _within_budget(SIDE_CASES[1], torch.float16)
+    assert plan.summary["side"] and not plan.summary["tiny"]
+    monkeypatch.setitem(T._TINY_OK, T._device_key(torch.device(DEVICE)), True)
+    plan = _within_budget(SIDE_CASES[1], torch.float16)
+    assert plan.summary["tiny"]
 
 
 def test_side_skip_leaves_short_programs_alone():
-    """The default skips the unquantized loops in programs of more than two pages only: at two
-    (side_short, 4k contexts) it measured slower (TUNE's notes)."""
+    """Programs with no sink page and no tail skip those loops only where programs get more than
+    two pages: at two (side_short, 4k contexts) skipping measured slower (docs/kernels.md)."""
     short = _long(CASES[1], 4)  # the short-program test's first case
     for case, expect in [(short, False), (SIDE_CASES[1], True)]:
-        test_triton_decode_within_budget(case, torch.float16)
-        assert K.LAST["side"] and K.LAST["short"] == (not expect) and K.LAST["skip"] == expect, case_id(case)
+        plan = _within_budget(case, torch.float16)
+        assert plan.summary["side"] and plan.summary["short"] == (not expect) and plan.summary["skip"] == expect, case_id(case)
 
 
-def test_side_zdot_default_takes_the_dot_for_4_bit_values_only():
-    """The default side_zdot (4): int4 V through the zero-point dot, int8 V through the sum
-    (the dot measured slower there: TUNE's notes)."""
+def test_zero_point_dot_for_4_bit_values_only():
+    """int4 V takes its zero-point term as a dot, int8 V as a sum (the dot measured slower
+    there: docs/kernels.md); fp32 inputs neither (V in fp32)."""
     for case, v_bits in [(SIDE_CASES[1], 4), (SIDE8_CASES[0], 8), (SIDE8_CASES[1], 4)]:
-        test_triton_decode_within_budget(case, torch.float16)
-        assert K.LAST["svt"] and K.LAST["zdot"] == (v_bits <= TUNE["side_zdot"]), case_id(case)
+        plan = _within_budget(case, torch.float16)
+        assert plan.summary["v_transposed"] and plan.summary["zero_dot"] == (v_bits <= 4), case_id(case)
 
 
-def test_side_unmasked_rule(monkeypatch):
-    """TUNE["side_unmasked"] (4): one page a step with no left padding leaves out the score
-    masking for 4-bit pages (measured faster there, slower at int8: TUNE's notes); padding, two
-    pages a step, wider pages or the option at 0 keep it. Each run also meets the grid's budget."""
-    int4, pad4, int8 = SIDE_CASES[1], SIDE_CASES[0], SIDE8_CASES[0]
-    assert not int4[7] and pad4[7] and not int8[7] and int4[6]["bits"] == 4 and int8[6]["bits"] == 8
-    for case, tune, masked in [(int4, {}, False), (pad4, {}, True), (int8, {}, True), (int4, {"side": 2}, True),
-                               (int4, {"side_unmasked": 0}, True), (int8, {"side_unmasked": 8}, False)]:
-        with monkeypatch.context() as m:
-            for key, value in tune.items():
-                m.setitem(TUNE, key, value)
-            test_triton_decode_within_budget(case, torch.float16)
-            assert K.LAST["side"] == tune.get("side", 1) and K.LAST["mask"] == masked, (case_id(case), tune)
-
-
-@pytest.mark.parametrize("side, dense", [(1, 16), (2, 32), (4, 16)], ids=lambda v: str(v))
+@pytest.mark.parametrize("side, dense", [(1, 16), (2, 32)], ids=lambda v: str(v))
 @pytest.mark.parametrize("case", [_long(CASES[1], 4), _long(CASES[3], 16), _long(CASES[4], 10)], ids=lambda c: case_id(c))
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
 def test_side_by_side_short_programs_within_budget(case, side, dense, dtype, monkeypatch):
     """TUNE["side_short"]: programs of a page or two (short contexts) side by side, with more
-    warps than pages (4) masking the missing ones; sinks and tail side_dense tokens a step
-    (32: a 16-token page's one step)."""
+    warps than pages masking the missing ones; sinks and tail side_dense tokens a step (32: a
+    16-token page's one step)."""
     monkeypatch.setitem(TUNE, "side_short", side)
     monkeypatch.setitem(TUNE, "side_dense", dense)
-    test_triton_decode_within_budget(case, dtype)
-    assert K.LAST["side"] == side
+    plan = _within_budget(case, dtype)
+    assert plan.summary["side"] == side
 
 
 def test_side_rule(monkeypatch):
-    from longctx.ops.paged_attention.triton import _side
+    """Pages of at most 8 bits a side go side by side (`side` pages a step, `side_short` in
+    programs of at most two pages), whatever their size (big pages as tiles of 64 tokens);
+    pages with a 16-bit side take the 2-D loop, as every page does with side 0."""
     from longctx.quant import BlockFormat
 
     def fmt(bits, k_bits=None, block=64):
         cfg = KVConfig(bits=bits, k_bits=k_bits, block_size=block)
         return BlockFormat(*cfg.layer_bits(0), block, cfg.group_size, 128, 8, torch.bfloat16, cfg.rotate)
 
-    monkeypatch.setitem(TUNE, "side_bits", 4)
     monkeypatch.setitem(TUNE, "side_short", 0)
-    assert _side(fmt(4), short=False) == TUNE["side"]
-    assert _side(fmt(4), short=True) == 0  # one or two pages a program: the 2-D loop
-    assert _side(fmt(8), short=False) == 0
-    assert _side(fmt(4, k_bits=8), short=False) == 0
-    assert _side(fmt(2, block=16), short=False) == TUNE["side"]
-    assert _side(fmt(4, block=128), short=False) == TUNE["side"]  # as tiles of 64 tokens
-    assert _side(fmt(4, block=256), short=False) == TUNE["side"]
-    monkeypatch.setitem(TUNE, "side_tiles", False)
-    assert _side(fmt(4, block=128), short=False) == 0
-    monkeypatch.setitem(TUNE, "side_tiles", True)
+    assert K.side_pages(fmt(4), short=False) == TUNE["side"]
+    assert K.side_pages(fmt(4), short=True) == 0  # one or two pages a program: the 2-D loop
+    assert K.side_pages(fmt(2, block=16), short=False) == TUNE["side"]
+    assert K.side_pages(fmt(4, block=128), short=False) == K.side_pages(fmt(4, block=256), short=False) == TUNE["side"]
     monkeypatch.setitem(TUNE, "side_short", 2)
-    assert _side(fmt(4), short=True) == 2 and _side(fmt(4), short=False) == TUNE["side"]
-    monkeypatch.setitem(TUNE, "side_bits", 8)
-    assert _side(fmt(8), short=False) == _side(fmt(4, k_bits=8), short=False) == TUNE["side"]
-    assert _side(fmt(16), short=False) == _side(fmt(4, k_bits=16), short=False) == 0
-    assert _side(fmt(8, block=128), short=False) == TUNE["side"]
+    assert K.side_pages(fmt(4), short=True) == 2 and K.side_pages(fmt(4), short=False) == TUNE["side"]
+    assert K.side_pages(fmt(8), short=False) == K.side_pages(fmt(4, k_bits=8), short=False) == TUNE["side"]
+    assert K.side_pages(fmt(16), short=False) == K.side_pages(fmt(4, k_bits=16), short=False) == 0
+    assert K.side_pages(fmt(8, block=128), short=False) == TUNE["side"]
+    for bad in (3, True, -1):
+        monkeypatch.setitem(TUNE, "side", bad)
+        with pytest.raises(ValueError, match="TUNE\\['side'\\]"):
+            K.side_pages(fmt(4), short=False)
     monkeypatch.setitem(TUNE, "side", 0)
-    assert _side(fmt(4), short=False) == 0
+    assert K.side_pages(fmt(4), short=False) == 0
 
 
-def test_side_k16_rule(monkeypatch):
-    from longctx.ops.paged_attention.triton import _side_k16
-
-    for k16 in (0, 1, 3):
-        monkeypatch.setitem(TUNE, "side_k16", k16)
-        assert _side_k16(half=True, scales16=True) == k16 and _side_k16(half=False, scales16=True) == 0
-    assert _side_k16(half=True, scales16=False) == 1  # 16-bit dequantization needs 16-bit scales
-
-
-# Prefill chunks (C > 1) on the triton backend: gather_dequant kernel into one staging
-# buffer, then SDPA with a lower-right causal mask. (B, T, C, Hq, Hkv, D, block, cfg kwargs)
 PREFILL_CASES = [
     (1, 200, 37, 8, 2, 64, 16, dict(bits=4)),
     (2, 130, 64, 4, 4, 64, 32, dict(bits=8)),
@@ -673,37 +573,28 @@ def test_triton_prefill_with_padding_or_lse_reads_the_pages(monkeypatch):
     assert torch.allclose(out.cpu(), ref_out, atol=1e-5) and torch.allclose(lse.cpu(), ref_lse, atol=1e-5)
 
 
-@pytest.mark.parametrize("tune", [{"pages": 1}, {"pages": 4, "k16": 1}, {"k16": 2}, {"k16": 3, "pages": 1}, {"k16": 3, "v16": 2}, {"k16": 3, "v16": 2, "pages": 1}, {"pages": 4, "v16": False, "words": False}, {"k16": 0, "v16": False},
-                                  {"merge": "launch"}, {"merge": "kernel"}, {"maxnreg": 128}, {"side": 0}, {"asm": 4}, {"asm": 2},
-                                  {"side_dense": 16}, {"side_stages": 3}, {"side_zdot": 0}, {"side_zdot": 8}, {"merge": "launch", "merge_cols": 16}, {"side_skip": False}],
-                         ids=lambda t: "-".join(f"{k}{v if isinstance(v, str) else int(v)}" for k, v in t.items()))
-@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=lambda c: case_id(c))
-@pytest.mark.parametrize("dtype", dtypes()[1:], ids=lambda d: str(d)[6:])
-def test_sweep_options_stay_correct(case, tune, dtype, monkeypatch):
-    """The launch options scripts/diag_speed.py sweeps must all be correct, not just the
-    default (16-bit inputs: the options are those of the fp16/bf16 kernels)."""
-    from longctx.ops.paged_attention import triton as kernel
-
-    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, **tune})
-    test_triton_decode_within_budget(case, dtype)
-
-
 def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     """The last split of each head merges and resets its counter: a second call (and any
     other layer) reuses the buffer without clearing it, and gets the same result."""
     from longctx.ops.paged_attention import triton as kernel
 
-    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": "kernel"})
+    _tune(monkeypatch, {"merge": "kernel"})
     cfg = KVConfig(bits=4, block_size=16)
     cache, _, _ = fill(cfg, 2, 200, 1, 2, 64, dtype=torch.float16, seed=3)
     view = _to(cache.view(0), DEVICE)
     q = torch.randn(2, 8, 1, 64, generator=torch.Generator().manual_seed(4)).half().to(DEVICE)
     first, lse1 = paged_decode_triton(q, view, None, 64**-0.5, splits=5)
-    counters = kernel._COUNTERS[q.device]
+    counters = MERGE._COUNTERS[q.device]
     assert (counters == 0).all()
     second, lse2 = paged_decode_triton(q, view, None, 64**-0.5, splits=5)
     assert torch.equal(first, second) and torch.equal(lse1, lse2) and (counters == 0).all()
     # (that the merged result is right is the grid's job: its split cases merge in-kernel)
+
+
+def _tune(monkeypatch, values: dict) -> None:
+    """TUNE's entries set for one test (the one dict every kernel module reads)."""
+    for key, value in values.items():
+        monkeypatch.setitem(TUNE, key, value)
 
 
 def _merge_case():
@@ -738,102 +629,15 @@ def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
     call gives the same bits."""
     from longctx.ops.paged_attention import triton as kernel
 
-    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": "kernel", "merge_tree": tree, "merge_tree_from": 0})
+    _tune(monkeypatch, {"merge": "kernel", "merge_tree": tree, "merge_tree_from": 0})
     q, start, cache, k, v, cfg = _merge_case()
     view = _to(cache.view(0), DEVICE)
     out, lse = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), q.shape[-1]**-0.5, splits=splits)
-    assert K.LAST["grid"] == (q.shape[0] * k.shape[1], splits) and K.LAST["tree"] == tree  # (rows x KV heads, splits)
-    assert (kernel._COUNTERS[q.to(DEVICE).device] == 0).all()
+    plan = K.decode_plans(q.to(DEVICE), view, start.to(DEVICE), splits=splits)[-1]
+    assert plan.grid == (q.shape[0] * k.shape[1], splits) and plan.summary["tree"] == tree  # (rows x KV heads, splits)
+    assert (MERGE._COUNTERS[q.to(DEVICE).device] == 0).all()
     again, lse2 = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), q.shape[-1]**-0.5, splits=splits)
     assert torch.equal(out, again) and torch.equal(lse, lse2)
-    _merged_within_budget(out, lse, q, start, cache, k, v, cfg)
-
-
-def test_split_boundaries_from_a_table(monkeypatch):
-    """The kernel's BOUNDS (experiments: `BOUND`, scripts/diag_balance.py) replace the equal
-    shares with any nondecreasing boundaries over each (row, KV head)'s logical blocks (the sink
-    block, the sealed pages, the tail's block): the sink or the tail alone, shared with sealed
-    pages, or in an empty split's neighbour. Each split's partial LSE is the fp64 one over its
-    own blocks' keys (-inf where it has none, a row's left padding included), and the merged
-    output is within the reference's budget, merged in the launch or in the kernel. A table of
-    another shape is refused."""
-    from longctx.ops.paged_attention import triton as kernel
-
-    B, Hq, Hkv, D, P = 2, 4, 2, 64, 16
-    T = P * 20 + 9  # a sink block, 19 sealed pages and a tail of 9 tokens
-    cfg = KVConfig(bits=4, block_size=P, sink_blocks=1)
-    cache, k, v = fill(cfg, B, T, 1, Hkv, D, dtype=torch.float16, seed=21)
-    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(22)).half()
-    start = torch.tensor([0, 40], dtype=torch.int32)
-    view = _to(cache.view(0), DEVICE)
-    assert view.block_table.shape[1] == 20 and view.tail_k.shape[2] == 9
-    bounds = torch.tensor([[0, 1, 1, 7, 12, 20, 21], [0, 5, 9, 14, 18, 21, 21],
-                           [0, 0, 3, 10, 10, 16, 21], [0, 4, 8, 12, 16, 20, 21]], dtype=torch.int32)
-    S = bounds.shape[1] - 1
-    seen = {}
-    real = kernel._merge_kernel
-
-    class Spy:  # the merge launch's partials (its second argument: LSE [B, Hq, S])
-        def __getitem__(self, grid):
-            def run(*args, **kw):
-                seen["lse"] = args[1].clone()
-                return real[grid](*args, **kw)
-            return run
-
-    monkeypatch.setattr(kernel, "_merge_kernel", Spy())
-    monkeypatch.setattr(kernel, "BOUND", bounds.to(DEVICE))
-    k_exp, v_exp = expected_dense(k, v, cfg, sealed_tokens=T // P * P)
-    scores = torch.einsum("bhgd,bhtd->bhgt", q.double().view(B, Hkv, Hq // Hkv, D), k_exp.double()) * D**-0.5
-    for mode in ("launch", "kernel"):
-        monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": mode})
-        out, lse = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=S)
-        assert kernel.LAST["grid"] == (B * Hkv, S) and kernel.LAST["merge"] == mode
-        _merged_within_budget(out, lse, q, start, cache, k, v, cfg)
-    part = seen["lse"].cpu().double().view(B, Hkv, Hq // Hkv, S)
-    for b in range(B):
-        for h in range(Hkv):
-            for s in range(S):
-                t0, t1 = max(int(bounds[b * Hkv + h, s]) * P, int(start[b])), min(int(bounds[b * Hkv + h, s + 1]) * P, T)
-                want = torch.logsumexp(scores[b, h, :, t0:t1], -1) if t1 > t0 else torch.full((Hq // Hkv,), float("-inf"), dtype=torch.float64)
-                got = part[b, h, :, s]
-                assert torch.equal(torch.isinf(got), torch.isinf(want)), (b, h, s, got, want)
-                fin = ~torch.isinf(want)
-                if fin.any():  # (a block of unmasked keys more or less moves these splits' LSEs by 0.056 or more)
-                    assert (got[fin] - want[fin]).abs().max().item() <= 0.02, (b, h, s, got, want)
-    monkeypatch.setattr(kernel, "BOUND", bounds[:, :-1].contiguous().to(DEVICE))
-    with pytest.raises(ValueError, match="BOUND must be int32"):
-        paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=S)
-
-
-@pytest.mark.parametrize("splits, cols, chunk", [(8, 16, 128), (7, 32, 2), (2, 0, 0)], ids=lambda x: str(x))
-def test_merge_programs_in_the_grid(splits, cols, chunk, monkeypatch):
-    """TUNE["merge"] "grid": merge programs after the splits in the decode grid, one a query
-    head (and block of TUNE["merge_cols"] columns where `_merge_cols` takes blocks), each
-    waiting for its (row, KV head)'s splits. Against the merge launch (the same merge code:
-    the same bits here; on a GPU to the rounding of the sums' order, one warp against four),
-    the reference and the fp64 oracle (one row left-padded past its first splits, whose
-    partials see no key); the counters end at zero, and a second call gives the same bits."""
-    from longctx.ops.paged_attention import triton as kernel
-
-    q, start, cache, k, v, cfg = _merge_case()
-    view = _to(cache.view(0), DEVICE)
-    (B, Hq, _, D), Hkv = q.shape, k.shape[1]
-    monkeypatch.setattr(kernel, "_merge_cols", lambda D_, heads, sm: cols)  # (the rule itself: test_merge_column_blocks_fill_idle_sms)
-    runs = {}
-    for mode in ("launch", "grid"):
-        monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": mode, "merge_chunk": chunk})
-        runs[mode] = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=splits)
-        assert kernel.LAST["merge"] == mode
-    out, lse = runs["grid"]
-    assert kernel.LAST["grid"] == (B * Hkv, splits + (Hq // Hkv) * (D // cols if cols else 1))
-    assert (kernel._COUNTERS[q.to(DEVICE).device] == 0).all()
-    again, lse2 = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), D**-0.5, splits=splits)
-    assert torch.equal(out, again) and torch.equal(lse, lse2)
-    if out.is_cuda:  # (a sum over splits in one warp, not four)
-        assert torch.allclose(out.float(), runs["launch"][0].float(), rtol=2**-10, atol=1e-6)
-        assert torch.allclose(lse, runs["launch"][1], rtol=1e-6, atol=1e-6)
-    else:
-        assert torch.equal(out, runs["launch"][0]) and torch.equal(lse, runs["launch"][1])
     _merged_within_budget(out, lse, q, start, cache, k, v, cfg)
 
 
@@ -871,53 +675,11 @@ def _rewritten_views_graph(B, T, bits):
     return vs, q, capture
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("bits, T, B", [(4, 16384, 1), (4, 131072, 1), (8, 4096, 2), (4, 32768, 8)])
-def test_merge_programs_in_the_grid_under_graphs(bits, T, B, monkeypatch):
-    """TUNE["merge"] "grid" in CUDA graph replays (the bench's way), two views alternating and
-    their pages rewritten before each call: every replay gives the same bits as the first,
-    close to the merge launch's (the sums' order) and within the reference's budget; the
-    counters end at zero. Merge programs beyond half the GPU's slots fall back to the launch."""
-    from longctx.bench import synthetic_view
-    from longctx.ops.paged_attention import triton as kernel
-
-    vs, q, capture = _rewritten_views_graph(B, T, bits)
-
-    def replayed(mode):
-        monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": mode})
-        paged_decode_triton(q, vs[0], None, 128**-0.5)  # compile outside the capture
-        g, outs = capture()
-        assert kernel.LAST["grid"][1] > 1 and kernel.LAST["merge"] == mode
-        return _replays(g, outs)
-
-    launch = replayed("launch")
-    grid = replayed("grid")
-    assert (kernel._COUNTERS[q.device] == 0).all()
-    for rep in grid[1:]:
-        for a, b in zip(grid[0], rep):
-            assert torch.equal(a, b)
-    for a, b in zip(launch[0], grid[0]):
-        assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=2**-7 * b.float().abs().max().item())
-    for v, o in zip(vs, grid[0]):
-        ref, _ = paged_attention(q, v, backend="reference")
-        assert (o.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
-    # the rule: 32 rows x 8 KV heads x 4 query heads' merge programs leave the splits too few slots
-    big = synthetic_view(32, 2048, 8, 128, KVConfig(bits=4, block_size=64), "cuda", seed=2)
-    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge": "grid"})
-    qb = torch.randn(32, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    out, _ = paged_decode_triton(qb, big, None, 128**-0.5, splits=4)
-    assert kernel.LAST["merge"] == "launch" and kernel.LAST["grid"] == (32 * 8, 4)
-    ref, _ = paged_attention(qb, big, backend="reference")
-    assert (out.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
-
-
-@pytest.mark.parametrize("tune", [{"k16": 4}, {"v16": 3}, {"k16": "3"}, {"side": 3}, {"side_k16": 2}, {"asm": 3}, {"side_vt": 1.5}, {"side_bits": 2}, {"side_short": 3}, {"side": True}, {"side_dense": 24}, {"side_apart": 2}, {"merge_chunk": 3}, {"side_zdot": 2}, {"side_zdot": True}, {"side_skip": "yes"}, {"side_unmasked": 2}, {"side_unmasked": True}, {"merge_cols": 24}, {"merge_cols": 8}, {"merge_tree": 1}, {"merge_tree": True}, {"merge_tree": -2}, {"merge_tree_from": "64"}, {"merge_tree_from": -1}, {"pdl": "yes"}, {"side_tiles": "yes"}, {"rot_query": 1}, {"rot_out": "yes"}])
+@pytest.mark.parametrize("tune", [{"side": 3}, {"side_short": 3}, {"side": True}, {"merge": "grid"}, {"loop_tile": 48}, {"side_tiny": True},
+                                  {"pages": 2}])
 def test_unknown_kernel_options_are_refused(tune, monkeypatch):
-    """A typo in TUNE must not silently run another code path."""
-    from longctx.ops.paged_attention import triton as kernel
-
-    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, **tune})
+    """A typo in TUNE, or a knob it no longer has, must not silently run another code path."""
+    _tune(monkeypatch, {**tune})
     cfg = KVConfig(bits=4, block_size=16)
     cache, _, _ = fill(cfg, 1, 40, 1, 2, 64, dtype=torch.float16)
     q = torch.randn(1, 4, 1, 64).half().to(DEVICE)
@@ -949,43 +711,6 @@ def test_int2_codes_at_an_odd_address_are_refused(side):
     assert torch.equal(paged_decode_triton(q, good, None, 64**-0.5)[0], paged_decode_triton(q, view, None, 64**-0.5)[0])
 
 
-@pytest.mark.parametrize("splits", [1, 5, 37, 131])
-@pytest.mark.parametrize("sm", [4, 132])
-def test_merge_rotated(splits, sm):
-    """The rotated pages' merge launch (`_merge_rotated`) against torch: both sets of partials
-    weighted by their log-sum-exp, the rotated set's merge times H; all splits at once (up to
-    32) or 32 at a time, a program all D columns (sm 4) or blocks of them (sm 132); splits
-    that saw no key weigh nothing, and a row none of whose splits saw a key gets zeros and
-    -inf."""
-    from longctx.ops.paged_attention.triton import _merge_rotated
-    from longctx.quant import hadamard
-
-    B, Hq, D = 2, 3, 64
-    g = torch.Generator().manual_seed(splits * 10 + sm)
-    o, o_r = torch.randn(2, B, Hq, splits, D, generator=g)
-    lse = torch.randn(B, Hq, splits, generator=g) * 4
-    lse[0, 1, ::3] = float("-inf")
-    lse[1, 2] = float("-inf")  # this row saw nothing
-    out = torch.empty(B, Hq, 1, D, dtype=torch.float32)
-    lout = torch.empty(B, Hq, 1, dtype=torch.float32)
-    o, o_r, lse, out, lout = (t.contiguous().to(DEVICE) for t in (o, o_r, lse, out, lout))
-    lout.fill_(7.0)
-    _merge_rotated(o, o_r, lse, out, lout, sm)
-    o, o_r, lse, out, lout = (t.cpu().double() for t in (o, o_r, lse, out, lout))
-    ref_lse = torch.logsumexp(lse, -1)
-    w = torch.exp(lse - torch.where(torch.isfinite(ref_lse), ref_lse, 0.0)[..., None])
-    ref = (o * w[..., None]).sum(-2) + (o_r * w[..., None]).sum(-2) @ hadamard(D, torch.float64)
-    ref = torch.where(torch.isfinite(ref_lse)[..., None], ref, 0.0)
-    assert torch.allclose(out[:, :, 0], ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(torch.isinf(lout[:, :, 0]), torch.isinf(ref_lse))
-    fin = torch.isfinite(ref_lse)
-    assert torch.allclose(lout[:, :, 0][fin], ref_lse[fin], atol=1e-5)
-    with pytest.raises(ValueError, match="contiguous"):
-        _merge_rotated(o.transpose(0, 1), o_r, lse, out, lout, sm)
-
-
-# (B, T, Hq, Hkv, D, block, cfg kwargs, padding, splits): rotated pages whose sub-tiles are 4
-# (int4, int2), 2 (int8) or both (k8v4) a word; one split (the kernel writes the output)
 ROTATED_CASES = [
     (2, 300, 8, 2, 64, 16, dict(bits=4, rotate=True), True, 5),
     (1, 260, 4, 1, 128, 64, dict(bits=2, rotate=True), False, None),
@@ -995,40 +720,14 @@ ROTATED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("rot_query, rot_out", [(True, True), (True, False), (False, True), (False, False)],
-                         ids=["in-kernel", "query-in-kernel", "out-in-kernel", "launches"])
+@pytest.mark.parametrize("merge", ["kernel", "launch"])
 @pytest.mark.parametrize("case", ROTATED_CASES, ids=[case_id(c) for c in ROTATED_CASES])
-def test_rotation_in_the_kernel_or_in_launches(case, rot_query, rot_out, monkeypatch):
-    """Rotated pages' queries rotated by each program (TUNE["rot_query"]) or by a launch before
-    (`rotate_triton`), and their share of the output rotated back by each program before its
-    partial is stored (TUNE["rot_out"]: the partials then merge as unrotated pages' do, in the
-    kernel) or by the merge launch (`_merge_rotated`): within the grid's budget either way, and
-    each launch made exactly where its side is not done in the kernel."""
-    monkeypatch.setitem(TUNE, "rot_query", rot_query)
-    monkeypatch.setitem(TUNE, "rot_out", rot_out)
-    calls = {"rotate_triton": 0, "_merge_rotated": 0}
-    for name in calls:
-        real = getattr(K, name)
-
-        def spy(*a, _real=real, _name=name, **kw):
-            calls[_name] += 1
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(K, name, spy)
-    for dtype in dtypes()[1:]:
-        _within_budget(case, dtype)
-    n = len(dtypes()) - 1
-    assert calls == {"rotate_triton": 0 if rot_query else n, "_merge_rotated": 0 if rot_out else n}
-
-
-@pytest.mark.parametrize("merge", ["kernel", "launch", "grid"])
-def test_rotated_partials_merge_as_unrotated_ones(merge, monkeypatch):
-    """With the rotation in the kernel (the default), rotated pages' splits merge in every
-    merge mode the unrotated ones have: in the last split, in a launch, in the grid."""
+def test_rotated_partials_merge_as_unrotated_ones(case, merge, monkeypatch):
+    """Each program rotates its queries and its sealed pages' share back, so rotated pages'
+    splits merge in both merge modes the unrotated ones have: in the last split, in a launch."""
     monkeypatch.setitem(TUNE, "merge", merge)
-    for case in ROTATED_CASES[:2]:
-        _within_budget(case, dtypes()[-1])
-        assert K.LAST["merge"] == merge  # (not `_merge_rotated`, which would leave it "")
+    plan = _within_budget(case, dtypes()[-1])
+    assert plan.summary["merge"] == (merge if plan.splits > 1 else "")
 
 
 @pytest.mark.parametrize("splits", [1, 5, 37, 131])
@@ -1036,11 +735,9 @@ def test_rotated_partials_merge_as_unrotated_ones(merge, monkeypatch):
 def test_merge_kernel_chunks(splits, chunk, cols):
     """The merge launch (TUNE["merge"] "launch", as under CUDA graphs) against torch's
     log-sum-exp merge, reading the splits all at once (chunk 0) or `chunk` at a time (more
-    than 128 splits at once spill: notes v13), a program all D columns (cols 0) or `cols` of
+    than 128 splits at once spill), a program all D columns (cols 0) or `cols` of
     them (TUNE["merge_cols"]); splits that saw no key (LSE -inf) weigh nothing, and a head
     none of whose splits saw a key gets zeros and -inf."""
-    from longctx.ops.paged_attention.triton import _merge_kernel
-
     B, Hq, D = 2, 3, 64
     g = torch.Generator().manual_seed(splits * 100 + chunk + cols)
     o = torch.randn(B, Hq, splits, D, generator=g)
@@ -1051,9 +748,9 @@ def test_merge_kernel_chunks(splits, chunk, cols):
     lout = torch.empty(B, Hq, 1, dtype=torch.float32)
     o, lse, out, lout = (t.to(DEVICE) for t in (o, lse, out, lout))
     lout.fill_(7.0)
-    _merge_kernel[(B * Hq, D // cols if cols else 1)](o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
-                                                     lse.stride(1), out.stride(0), out.stride(1), HQ=Hq, D=D,
-                                                     S_PAD=max(2, 1 << (splits - 1).bit_length()), SC=chunk, BD=cols)
+    MERGE.merge_kernel[(B * Hq, D // cols if cols else 1)](o, lse, out, lout, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
+                                                          lse.stride(1), out.stride(0), out.stride(1), HQ=Hq, D=D,
+                                                          S_PAD=max(2, 1 << (splits - 1).bit_length()), SC=chunk, BD=cols)
     o, lse, out, lout = (t.cpu().double() for t in (o, lse, out, lout))
     ref_lse = torch.logsumexp(lse, -1)
     w = torch.exp(lse - torch.where(torch.isfinite(ref_lse), ref_lse, 0.0)[..., None])
@@ -1067,43 +764,13 @@ def test_merge_kernel_chunks(splits, chunk, cols):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("bits, T, B", [(4, 16384, 1), (8, 4096, 2), (16, 8192, 1)])
-def test_programmatic_dependent_launch_changes_no_bit(bits, T, B, monkeypatch):
-    """TUNE["pdl"] (sm_90+): the decode kernel and the merge launch go out as programmatic
-    dependents, each waiting on the GPU for the launch before it. Replays of a graph that
-    writes the views' pages between the calls (a kernel each call depends on) give the same
-    bits as plain launches, and eager calls too."""
-    from longctx.ops.paged_attention import triton as kernel
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs sm_90")
-    vs, q, capture = _rewritten_views_graph(B, T, bits)
-
-    def run(pdl):
-        monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "pdl": pdl})
-        eager = [paged_decode_triton(q, v, None, 128**-0.5) for v in vs]
-        g, outs = capture()
-        g.replay()
-        torch.cuda.synchronize()
-        return [e[0].clone() for e in eager], [o.clone() for o in outs]
-
-    plain_eager, plain_graph = run(False)
-    assert kernel.LAST["grid"][1] > 1  # split, so the merge runs
-    pdl_eager, pdl_graph = run(True)
-    for a, b in zip(plain_eager + plain_graph, pdl_eager + pdl_graph):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cols", [16, 32, 64])
 def test_merge_launch_column_blocks_under_graphs(cols, monkeypatch):
     """Under CUDA graph capture the splits merge in a second launch; at batch 1 its programs
-    take blocks of TUNE["merge_cols"] columns (as many as the SMs hold, `_merge_cols`). A
+    take blocks of TUNE["merge_cols"] columns (as many as the SMs hold, `merge_cols`). A
     replay gives what one program a head gives, to the rounding of the sums' order, and that
     is within the reference's budget. Two views alternate in the graph."""
     from longctx.bench import synthetic_view
-    from longctx.ops.paged_attention import triton as kernel
 
     vs = [synthetic_view(1, 16384, 8, 128, KVConfig(bits=4, block_size=64), "cuda", seed=s) for s in (0, 1)]
     q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
@@ -1115,14 +782,14 @@ def test_merge_launch_column_blocks_under_graphs(cols, monkeypatch):
         with torch.cuda.graph(g):
             for v, o in zip(vs, outs):
                 o.copy_(paged_decode_triton(q, v, None, 128**-0.5)[0])
-        assert kernel.LAST["grid"][1] > 1
+        assert K.decode_plans(q, vs[0])[-1].grid[1] > 1
         return _replays(g, outs)
 
-    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge_cols": 0})
+    _tune(monkeypatch, {"merge_cols": 0})
     plain = replayed()
-    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "merge_cols": cols})
+    _tune(monkeypatch, {"merge_cols": cols})
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bd = kernel._merge_cols(128, 32, sms)
+    bd = MERGE.merge_cols(128, 32, sms)
     blocks = 128 // bd if bd else 1
     assert 32 * blocks <= sms and (blocks == 128 // cols or 64 * blocks > sms)
     got = replayed()
@@ -1135,36 +802,34 @@ def test_merge_launch_column_blocks_under_graphs(cols, monkeypatch):
 
 
 def test_merge_tree_rule(monkeypatch):
-    """_merge_tree: groups of TUNE["merge_tree"] splits from TUNE["merge_tree_from"] splits on
+    """merge_tree: groups of TUNE["merge_tree"] splits from TUNE["merge_tree_from"] splits on
     (fewer: the last split merges all); 0 turns the groups off."""
-    from longctx.ops.paged_attention import triton as kernel
-
     for tree, start, splits, want in [(16, 64, 128, 16), (16, 64, 64, 16), (16, 64, 63, 0), (16, 64, 32, 0), (8, 0, 2, 8), (0, 0, 256, 0)]:
-        monkeypatch.setitem(kernel.TUNE, "merge_tree", tree)
-        monkeypatch.setitem(kernel.TUNE, "merge_tree_from", start)
-        assert kernel._merge_tree(splits) == want, (tree, start, splits)
+        monkeypatch.setitem(TUNE, "merge_tree", tree)
+        monkeypatch.setitem(TUNE, "merge_tree_from", start)
+        assert MERGE.merge_tree(splits) == want, (tree, start, splits)
 
 
 def test_merge_column_blocks_fill_idle_sms(monkeypatch):
-    """_merge_cols: blocks of TUNE["merge_cols"] columns while the merge's programs (heads x
+    """merge_cols: blocks of TUNE["merge_cols"] columns while the merge's programs (heads x
     blocks) stay within one per SM; all columns (0) otherwise."""
-    from longctx.ops.paged_attention import triton as kernel
-
     for cols, D, heads, sms, want in [(32, 128, 32, 132, 32), (16, 128, 32, 132, 32), (16, 128, 8, 132, 16), (64, 128, 32, 132, 64),
                                       (32, 128, 256, 132, 0), (32, 128, 100, 132, 0), (32, 128, 66, 132, 64), (32, 64, 32, 132, 32),
                                       (0, 128, 1, 132, 0), (128, 128, 1, 132, 0), (256, 128, 1, 132, 0)]:
-        monkeypatch.setitem(kernel.TUNE, "merge_cols", cols)
-        assert kernel._merge_cols(D, heads, sms) == want, (cols, D, heads, sms)
+        monkeypatch.setitem(TUNE, "merge_cols", cols)
+        assert MERGE.merge_cols(D, heads, sms) == want, (cols, D, heads, sms)
 
 
-def test_merge_option():
-    from longctx.ops.paged_attention.triton import _merge_mode
-
-    assert _merge_mode("auto", capturing=False) == "kernel" and _merge_mode("auto", capturing=True) == "launch"
-    assert _merge_mode("kernel", capturing=True) == "kernel" and _merge_mode("launch", capturing=False) == "launch"
-    assert _merge_mode("grid", capturing=True) == "grid" and _merge_mode("grid", capturing=False) == "grid"
-    with pytest.raises(ValueError, match="merge"):
-        _merge_mode("fused", capturing=False)
+def test_merge_option(monkeypatch):
+    """TUNE["merge"]: "auto" merges in the decode launch when eager and in a launch of its own
+    under graph capture; "kernel" and "launch" whatever the capture; anything else is refused."""
+    for option, capturing, want in [("auto", False, "kernel"), ("auto", True, "launch"), ("kernel", True, "kernel"), ("launch", False, "launch")]:
+        monkeypatch.setitem(TUNE, "merge", option)
+        assert MERGE.merge_mode(capturing) == want
+    for bad in ("grid", "fused"):
+        monkeypatch.setitem(TUNE, "merge", bad)
+        with pytest.raises(ValueError, match="merge"):
+            MERGE.merge_mode(False)
 
 
 def test_head_dims_the_kernels_cannot_tile_go_to_the_reference():
@@ -1220,26 +885,6 @@ def test_prefill_kernel_within_budget(case, dtype):
                          ids=["in-kernel", "query-in-kernel", "out-in-kernel", "launches"])
 @pytest.mark.parametrize("case", [c for c in KERNEL_PREFILL if c[7].get("rotate")],
                          ids=[prefill_id(c) for c in KERNEL_PREFILL if c[7].get("rotate")])
-def test_prefill_rotation_in_the_kernel_or_in_launches(case, rot_query, rot_out, monkeypatch):
-    """Rotated pages in the prefill kernel as in decode (both in the kernel by default): the
-    queries rotated by each program or by `rotate_triton` first, the sealed pages' share
-    rotated back by each program or by `_merge_rotated`, within the budget either way, and
-    each launch made exactly where its side is not done in the kernel."""
-    monkeypatch.setitem(TUNE, "rot_query", rot_query)
-    monkeypatch.setitem(TUNE, "rot_out", rot_out)
-    calls = {"rotate_triton": 0, "_merge_rotated": 0}
-    for module, name in ((K, "rotate_triton"), (prefill, "_merge_rotated")):
-        real = getattr(module, name)
-
-        def spy(*a, _real=real, _name=name, **kw):
-            calls[_name] += 1
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(module, name, spy)
-    _prefill_within_budget(case, dtypes()[-1])
-    assert calls == {"rotate_triton": 0 if rot_query else 1, "_merge_rotated": 0 if rot_out else 1}
-
-
 def _prefill_within_budget(case, dtype):
     B, T, C, Hq, Hkv, D, P, kw, pad, sp = case
     cfg = KVConfig(block_size=P, **kw)
@@ -1444,7 +1089,7 @@ def test_shared_blocks_read_once_for_a_group(case, monkeypatch):
     monkeypatch.setitem(TUNE, "shared_from", 0)
     assert K.shared_rows(B, Hq // Hkv, c, P, view.shared_run) == 1
     whole, whole_lse = paged_decode_triton(q, view, start, D**-0.5)
-    assert K.LAST["shared"] is None
+    assert len(K.decode_plans(q, view, start, D**-0.5)) == 1
     monkeypatch.setitem(TUNE, "shared_from", P)
     assert K.shared_rows(B, Hq // Hkv, c, P, view.shared_run) == R
     ref, ref_lse = paged_attention(q, view, start=start, backend="reference")
@@ -1456,7 +1101,8 @@ def test_shared_blocks_read_once_for_a_group(case, monkeypatch):
                                tail_len=torch.tensor([view.tail_k.shape[2]], dtype=torch.int32, device=DEVICE), n_sink=cfg.sink_blocks)
     for v in (view, wide):
         got, got_lse = paged_decode_triton(q, v, start, D**-0.5)
-        assert K.LAST["shared"][:2] == (R, c)
+        plans = K.decode_plans(q, v, start, D**-0.5)
+        assert len(plans) == 2 and plans[0].consts["R"] == R and plans[1].consts["R"] == 1
         assert torch.isfinite(got).all()
         for other, other_lse in ((whole, whole_lse), (ref, ref_lse)):
             assert (got.float() - other.float()).abs().max().item() <= tol
@@ -1506,26 +1152,26 @@ def test_stages_that_fit_the_devices_shared_memory(monkeypatch):
     """A launch keeps its stages where the compiled kernel fits the device's shared memory a
     block, else takes the most stages that fit; one stage too big raises, naming both sizes;
     TUNE["shared_limit"] lowers the device's limit, never raises it; the choice is cached."""
-    monkeypatch.setattr(K, "_STAGES", {})
-    monkeypatch.setattr(K, "_device_shared", lambda device: 101376)  # an RTX 4090's
+    monkeypatch.setattr(T, "_STAGES", {})
+    monkeypatch.setattr(T, "_device_shared", lambda device: 101376)  # an RTX 4090's
     fits = _FakeKernel({3: 90000, 2: 60000, 1: 30000})
-    assert K.stages_that_fit(fits, (1,), (), dict(num_stages=3), 0, "t") == 3
+    assert T.stages_that_fit(fits, (1,), (), dict(num_stages=3), 0, "t") == 3
     big = _FakeKernel({3: 196736, 2: 143360, 1: 77824})  # pages of 256 tokens
-    assert K.stages_that_fit(big, (1,), (), dict(num_stages=3), 0, "t") == 1 and big.calls == [3, 2, 1]
-    assert K.stages_that_fit(big, (1,), (), dict(num_stages=3), 0, "t") == 1 and big.calls == [3, 2, 1]  # cached
-    assert K.stages_that_fit(big, (1,), (), dict(num_stages=2, X=1), 0, "t") == 1  # other constexprs: asked again
+    assert T.stages_that_fit(big, (1,), (), dict(num_stages=3), 0, "t") == 1 and big.calls == [3, 2, 1]
+    assert T.stages_that_fit(big, (1,), (), dict(num_stages=3), 0, "t") == 1 and big.calls == [3, 2, 1]  # cached
+    assert T.stages_that_fit(big, (1,), (), dict(num_stages=2, X=1), 0, "t") == 1  # other constexprs: asked again
     made = []
-    assert K.stages_that_fit(big, (1,), lambda: made.append(1) or (), dict(num_stages=2, X=2), 0, "t") == 1 and made == [1]
-    assert K.stages_that_fit(big, (1,), lambda: made.append(1) or (), dict(num_stages=2, X=2), 0, "t") == 1 and made == [1]  # (cached: not built)
+    assert T.stages_that_fit(big, (1,), lambda: made.append(1) or (), dict(num_stages=2, X=2), 0, "t") == 1 and made == [1]
+    assert T.stages_that_fit(big, (1,), lambda: made.append(1) or (), dict(num_stages=2, X=2), 0, "t") == 1 and made == [1]  # (cached: not built)
     with pytest.raises(SharedMemoryError, match=r"needs 120000 bytes .* allows 101376"):
-        K.stages_that_fit(_FakeKernel({2: 200000, 1: 120000}), (1,), (), dict(num_stages=2), 0, "t")
+        T.stages_that_fit(_FakeKernel({2: 200000, 1: 120000}), (1,), (), dict(num_stages=2), 0, "t")
     monkeypatch.setitem(TUNE, "shared_limit", 70000)
-    assert K.stages_that_fit(fits, (1,), (), dict(num_stages=3), 0, "t") == 2
+    assert T.stages_that_fit(fits, (1,), (), dict(num_stages=3), 0, "t") == 2
     monkeypatch.setitem(TUNE, "shared_limit", 500000)  # above the device's: the device's
-    assert K.shared_limit(0) == 101376
+    assert T.shared_limit(0) == 101376
     monkeypatch.setitem(TUNE, "shared_limit", -1)
     with pytest.raises(ValueError, match="shared_limit"):
-        K.shared_limit(0)
+        T.shared_limit(0)
 
 
 SMALL_SHARED = [  # pages of 256 tokens (bf16 pages in two stages on the H200: 143,360 bytes of shared memory)
@@ -1562,7 +1208,6 @@ def test_decode_and_prefill_within_a_consumer_cards_shared_memory(case, monkeypa
     monkeypatch.setattr(K, "stages_that_fit", spy)
     B, T, Hq, Hkv, D, P, kw, pad, sp = case
     _within_budget(case, dtype)
-    assert K.LAST["kernel"].metadata.shared <= limit
     assert launched and max(launched) <= limit, launched
     launched.clear()
     fit = prefill._prefill_fit
@@ -1575,7 +1220,7 @@ def test_decode_and_prefill_within_a_consumer_cards_shared_memory(case, monkeypa
     monkeypatch.setattr(prefill, "_prefill_fit", fit_spy)
     _prefill_within_budget((B, T, 9, Hq, Hkv, D, P, kw, [3 * b for b in range(B)], sp), dtype)
     assert len(launched) == 1 and 0 < launched[0][0] < P and launched[0][1] <= limit, launched  # a tile of the page
-    assert launched[0][2] <= prefill.SPILL_MAX, launched
+    assert launched[0][2] <= T.SPILL_MAX, launched
 
 
 @pytest.mark.gpu
@@ -1590,12 +1235,13 @@ def test_fp32_decode_over_16_bit_pages_within_a_consumer_cards_shared_memory(mon
     limit = 101376
     monkeypatch.setitem(TUNE, "shared_limit", 0)  # (the device's, whatever a run set)
     monkeypatch.setattr(K, "_PLANS", {})
-    _within_budget(case, torch.float32)
-    assert K.LAST["tile"] == 0 and K.LAST["kernel"].metadata.shared > limit
+    plan, q, view = _within_budget(case, torch.float32), *_plain_inputs(case, torch.float32)
+    assert plan.summary["tile"] == 0 and K.compiled_kernel(plan, q, view).metadata.shared > limit
     monkeypatch.setitem(TUNE, "shared_limit", limit)
     monkeypatch.setattr(K, "_PLANS", {})
-    _within_budget(case, torch.float32)
-    assert 16 <= K.LAST["tile"] < 256 and K.LAST["kernel"].metadata.shared <= limit, (K.LAST["tile"], K.LAST["kernel"].metadata.shared)
+    plan = _within_budget(case, torch.float32)
+    shared = K.compiled_kernel(plan, q, view).metadata.shared
+    assert 16 <= plan.summary["tile"] < 256 and shared <= limit, (plan.summary["tile"], shared)
 
 
 def test_prefill_stages_where_the_kernel_does_not_fit(monkeypatch):

@@ -16,8 +16,9 @@ from longctx.ops.backend import TRITON_OPTIONS  # noqa: E402
 from longctx.ops.gather_dequant import gather_dequant  # noqa: E402
 from longctx.ops.gather_dequant import triton as G  # noqa: E402
 from longctx.ops.paged_attention import prefill as PF  # noqa: E402
+from longctx.ops.paged_attention import merge as M  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
-from longctx.ops import rotation as R  # noqa: E402
+from longctx.ops.paged_attention import tuning as T  # noqa: E402
 from longctx.ops.quantize_blocks import triton as Q  # noqa: E402
 from longctx.testing import random_kv  # noqa: E402
 
@@ -51,12 +52,11 @@ class _Spy:
 def test_every_triton_launch_asks_for_fp_fusion(monkeypatch):
     assert TRITON_OPTIONS == {"enable_fp_fusion": True}
     seen = []
-    for module, name in [(K, "_decode_kernel"), (K, "_merge_kernel"), (K, "_tiny_probe_kernel"), (PF, "_prefill_kernel"),
-                         (PF, "_merge_kernel"), (G, "_gather_kernel"), (Q, "_quantize_kernel"), (K, "_merge_rotated_kernel"),
-                         (R, "_rotate_kernel")]:
+    for module, name in [(K, "decode_kernel"), (M, "merge_kernel"), (T, "_tiny_probe_kernel"), (PF, "_prefill_kernel"),
+                         (PF, "merge_kernel"), (G, "_gather_kernel"), (Q, "_quantize_kernel")]:
         monkeypatch.setattr(module, name, _Spy(getattr(module, name), ".".join(module.__name__.split(".")[-2:] + [name]), seen))
-    K._TINY_OK.clear()  # the probe runs again (the side loop asks for it)
-    monkeypatch.setitem(K.TUNE, "merge", "launch")  # the merge launch ("auto" merges in the kernel outside CUDA graphs)
+    T._TINY_OK.clear()  # the probe runs again (the side loop asks for it)
+    monkeypatch.setitem(T.TUNE, "merge", "launch")  # the merge launch ("auto" merges in the kernel outside CUDA graphs)
     cfg = KVConfig(bits=4, block_size=16, backend="triton")
     # the appends and the seal quantize 12 blocks of 16, on the device (the triton backend runs on
     # CPU tensors only under the interpreter)
@@ -73,15 +73,10 @@ def test_every_triton_launch_asks_for_fp_fusion(monkeypatch):
     rot = PagedKVCache(KVConfig(bits=4, rotate=True, block_size=16, backend="triton"), num_layers=1, num_kv_heads=2, head_dim=64)
     rot.append(0, k.to(DEVICE), v.to(DEVICE))
     K.paged_decode_triton(q, rot.view(0), None, 0.125)  # rotated pages: each program rotates its queries and its share back
-    # the prefill kernel over rotated pages with both rotations in launches of their own: the
-    # query's rotation, then the rotated merge
-    monkeypatch.setitem(K.TUNE, "rot_query", False)
-    monkeypatch.setitem(K.TUNE, "rot_out", False)
-    PF.paged_prefill_triton(torch.randn(1, 4, 8, 64).to(DEVICE), rot.view(0), None, 0.125, splits=2)
     names = {n for n, _ in seen}
-    assert {"paged_attention.triton._decode_kernel", "paged_attention.triton._merge_kernel", "paged_attention.prefill._prefill_kernel",
-            "paged_attention.prefill._merge_kernel", "gather_dequant.triton._gather_kernel", "quantize_blocks.triton._quantize_kernel",
-            "paged_attention.triton._tiny_probe_kernel", "paged_attention.triton._merge_rotated_kernel", "ops.rotation._rotate_kernel"} <= names, names
+    assert {"paged_attention.triton.decode_kernel", "paged_attention.merge.merge_kernel", "paged_attention.prefill._prefill_kernel",
+            "paged_attention.prefill.merge_kernel", "gather_dequant.triton._gather_kernel", "quantize_blocks.triton._quantize_kernel",
+            "paged_attention.tuning._tiny_probe_kernel"} <= names, names
     bad = [(n, {k: kw.get(k) for k in TRITON_OPTIONS}) for n, kw in seen if any(kw.get(k) != v for k, v in TRITON_OPTIONS.items())]
     assert not bad, bad
 
@@ -99,8 +94,9 @@ from longctx.bench import synthetic_view
 from longctx.ops.paged_attention import paged_attention
 from longctx.ops.paged_attention import triton as K
 q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-paged_attention(q, synthetic_view(1, 8192, 8, 128, KVConfig(bits=4, block_size=64), "cuda"), backend="triton")
-print(K.LAST["kernel"].metadata.enable_fp_fusion)
+view = synthetic_view(1, 8192, 8, 128, KVConfig(bits=4, block_size=64), "cuda")
+paged_attention(q, view, backend="triton")
+print(K.compiled_kernel(K.decode_plans(q, view)[-1], q, view).metadata.enable_fp_fusion)
 """
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="0", PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), root])))

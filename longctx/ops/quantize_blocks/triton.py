@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ...quant import BlockFormat, hadamard_scale
 from ..backend import TRITON_OPTIONS
-from ..paged_attention.triton_tiles import _pick
+from ..paged_attention.codes import pick_subtile
 from ..pages import Pages, placeholders
 from ..rotation import hadamard_planes
 
@@ -103,7 +103,7 @@ def _plane(X, xb, s_x_p, r: tl.constexpr, P: tl.constexpr, PER: tl.constexpr, DS
            ROT: tl.constexpr, x0, x1, x2, x3):
     """Plane r [P, DS] fp64 of the block at X + xb: the rotated x_r where ROT, else loaded."""
     if ROT:
-        x = _pick(x0, x1, x2, x3, r)
+        x = pick_subtile(x0, x1, x2, x3, r)
     else:
         x = tl.load(X + xb + tl.arange(0, P)[:, None] * s_x_p + (r + PER * tl.arange(0, DS))[None, :]).to(tl.float64)
     return x
@@ -131,17 +131,17 @@ def _quantize_kernel(
     if HAS_IDS:
         o = tl.load(IDS + n).to(tl.int64)
     if K_BITS < 16:
-        PK: tl.constexpr = 8 // K_BITS
-        DK: tl.constexpr = D // PK
+        K_SUB: tl.constexpr = 8 // K_BITS
+        DK: tl.constexpr = D // K_SUB
         QK: tl.constexpr = (1 << K_BITS) - 1
         offs_i = tl.arange(0, DK)
         k0, k1, k2, k3 = _no_planes(P, DK)
         if ROT:
-            k0, k1, k2, k3 = _rotated_planes(K, xb, s_x_p, P, PK, DK, SCALE)
+            k0, k1, k2, k3 = _rotated_planes(K, xb, s_x_p, P, K_SUB, DK, SCALE)
         packed = tl.zeros((P, DK), tl.uint8)
-        for r in tl.static_range(PK):
-            ch = r + PK * offs_i
-            x = _plane(K, xb, s_x_p, r, P, PK, DK, ROT, k0, k1, k2, k3)
+        for r in tl.static_range(K_SUB):
+            ch = r + K_SUB * offs_i
+            x = _plane(K, xb, s_x_p, r, P, K_SUB, DK, ROT, k0, k1, k2, k3)
             s, z = _range_to_scale(tl.min(x, 0), tl.max(x, 0), QK, SDT, BITS16)
             sb = o * s_ks_n + h * s_ks_h + ch
             tl.store(KS + sb, s)
@@ -149,19 +149,19 @@ def _quantize_kernel(
             packed = packed | (_codes(x, s[None, :], z[None, :], QK) << (r * K_BITS))
         tl.store(KC + o * s_kc_n + h * s_kc_h + offs_p[:, None] * s_kc_p + offs_i[None, :], packed)
     if V_BITS < 16:
-        PV: tl.constexpr = 8 // V_BITS
-        DV: tl.constexpr = D // PV
+        V_SUB: tl.constexpr = 8 // V_BITS
+        DV: tl.constexpr = D // V_SUB
         NG: tl.constexpr = D // GS
-        W: tl.constexpr = GS // PV  # columns of one group in one plane
+        W: tl.constexpr = GS // V_SUB  # columns of one group in one plane
         QV: tl.constexpr = (1 << V_BITS) - 1
         offs_j = tl.arange(0, DV)
         lo = tl.full((P, NG), float("inf"), tl.float64)
         hi = tl.full((P, NG), float("-inf"), tl.float64)
         v0, v1, v2, v3 = _no_planes(P, DV)
         if ROT:
-            v0, v1, v2, v3 = _rotated_planes(V, xb, s_x_p, P, PV, DV, SCALE)
-        for r in tl.static_range(PV):
-            x = _plane(V, xb, s_x_p, r, P, PV, DV, ROT, v0, v1, v2, v3)
+            v0, v1, v2, v3 = _rotated_planes(V, xb, s_x_p, P, V_SUB, DV, SCALE)
+        for r in tl.static_range(V_SUB):
+            x = _plane(V, xb, s_x_p, r, P, V_SUB, DV, ROT, v0, v1, v2, v3)
             lo = tl.minimum(lo, tl.min(tl.reshape(x, (P, NG, W)), 2))
             hi = tl.maximum(hi, tl.max(tl.reshape(x, (P, NG, W)), 2))
         s, z = _range_to_scale(lo, hi, QV, SDT, BITS16)
@@ -171,8 +171,8 @@ def _quantize_kernel(
         sb = tl.reshape(tl.broadcast_to(s[:, :, None], (P, NG, W)), (P, DV))
         zb = tl.reshape(tl.broadcast_to(z[:, :, None], (P, NG, W)), (P, DV))
         packed = tl.zeros((P, DV), tl.uint8)
-        for r in tl.static_range(PV):
-            x = _plane(V, xb, s_x_p, r, P, PV, DV, ROT, v0, v1, v2, v3)
+        for r in tl.static_range(V_SUB):
+            x = _plane(V, xb, s_x_p, r, P, V_SUB, DV, ROT, v0, v1, v2, v3)
             packed = packed | (_codes(x, sb, zb, QV) << (r * V_BITS))
         tl.store(VC + o * s_vc_n + h * s_vc_h + offs_p[:, None] * s_vc_p + offs_j[None, :], packed)
 
