@@ -23,7 +23,7 @@ DEFAULT_GROUP_SIZE = 64
 # its group's range, and the group's width did not register in perplexity (SmolLM2, groups of
 # 16, 32 and 64 = its whole head: -0.013, -0.010, -0.004 %); a second scale and zero a token
 # only cost bytes and decode time (H200, Llama-3 shape, int8 at 128k: the decode kernel 68.5-68.7
-# us with groups of 128 against 72.7-73.0 with 64; notes v20). At 4 bits and fewer the group
+# us with groups of 128 against 72.7-73.0 with 64). At 4 bits and fewer the group
 # matters more, and 64 stays.
 DEFAULT_GROUP_SIZE_8BIT = 128
 

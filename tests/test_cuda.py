@@ -12,7 +12,7 @@ from longctx.testing import tiny_llama
 
 pytestmark = pytest.mark.gpu
 FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
-NO_FLASH_ATTN = "flash-attn is not installed (PyPI has it as source only; scripts/pack_flash_attn.sh builds it for the GPU machine)"
+NO_FLASH_ATTN = "flash-attn is not installed (PyPI has it as source only; tools/pack_flash_attn.sh builds it for the GPU machine)"
 
 
 def _peers(graph: bool) -> list[str]:
@@ -60,10 +60,10 @@ def test_triton_greedy_equals_reference_on_embedded_model(bits, min_same):
     tie broken the other way sends the two runs down different texts for every later step.
     bf16 is checked step by step by the teacher-forced test below, which holds both backends
     to the same history. At int4 in fp32 the second token is a 4e-4 tie that PyTorch's own
-    math and efficient SDPA kernels break differently (scripts/diag_greedy.py, notes v30):
+    math and efficient SDPA kernels break differently:
     until v39 the triton run parted there (3 of 256 tokens the same). Since its 256-token
     prefill chunks stage through SDPA, as the reference's do, it breaks that tie as the GPU
-    reference and fp64 attention do, and all 256 tokens are the same (H200, notes v40)."""
+    reference and fp64 attention do, and all 256 tokens are the same (H200)."""
     from longctx.eval import default_text
     from longctx.generate import greedy
     from longctx.models import load_model
@@ -80,7 +80,7 @@ def test_triton_greedy_equals_reference_on_embedded_model(bits, min_same):
     assert len(ref) == len(got) == 256
     same = sum(a == b for a, b in zip(ref, got)) / 256
     first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
-    # (where they part, scripts/diag_greedy.py prints both backends' two leading logits)
+    # (where they part, compare both backends' two leading logits)
     print(f"bits {bits}: {round(same * 256)} of 256 steps the same, first different step {first}")  # (shown by -rA)
     assert same >= min_same, (same, f"first different step {first}", ref[:20], got[:20])
 
@@ -251,8 +251,7 @@ def test_beams_read_their_prompt_once_through_graphs(prompts, monkeypatch):
     (The same decoding, so that only the read differs. generate()'s own beam search prefills
     each beam's copy of the prompt in one batch of eight rows, whose rounding differs from two
     rows' by ~1e-6; that flips a few int4 codes, and two prompts' beams then took near-tied
-    candidates in the other order at step 8, both ways of reading alike: scripts/diag_beams.py,
-    notes v35.)"""
+    candidates in the other order at step 8, both ways of reading alike.)"""
     from longctx import graph_decoding
     from longctx.graphs import GraphDecoder
     from longctx.ops.paged_attention import triton as K
@@ -521,7 +520,7 @@ def test_flex_backend_on_gpu_matches_reference(C, P):
 @pytest.mark.parametrize("fmt", [dict(bits=4), dict(bits=2, rotate=True), dict(bits=8)])
 def test_head_dim_32_takes_the_reference_path(fmt):
     """At head_dim 32 the 4- and 2-bit decode kernels do not compile on an H200
-    (scripts/diag_dim32.py): "auto" takes the reference path there, and generate() gives the
+   : "auto" takes the reference path there, and generate() gives the
     tokens of an explicit "reference" (after seals, on the GPU); an explicit "triton" says why
     not."""
     from longctx.errors import BackendUnavailableError

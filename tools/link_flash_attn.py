@@ -1,9 +1,9 @@
-"""Finish a flash-attn pack (scripts/pack_flash_attn.sh) on the GPU machine: compile its Python
+"""Finish a flash-attn pack (tools/pack_flash_attn.sh) on the GPU machine: compile its Python
 binding (flash_api.cpp) against this machine's torch and Python, link it with the packed
 sm_90 kernels, and check the result against SDPA, so that `import flash_attn` works with
 DIR/python on sys.path.
 
-    python3 scripts/link_flash_attn.py DIR     # DIR: the pack unpacked (flash-attn-VERSION-sm90)
+    python3 tools/link_flash_attn.py DIR     # DIR: the pack unpacked (flash-attn-VERSION-sm90)
 
 Exits non-zero, saying why, when the pack's kernels were built against another torch (their
 Flash_fwd_params layout and c10 calls must match the binding's), or when the linked module's
@@ -26,7 +26,7 @@ def main(pack: str) -> None:
     from torch.utils.cpp_extension import load
 
     if not os.path.isfile(os.path.join(pack, "BUILD")):
-        sys.exit(f"{pack} is not an unpacked flash-attn pack (it has no BUILD file): scripts/pack_flash_attn.sh makes one")
+        sys.exit(f"{pack} is not an unpacked flash-attn pack (it has no BUILD file): tools/pack_flash_attn.sh makes one")
     build = dict(line.split(" ", 1) for line in open(os.path.join(pack, "BUILD")).read().splitlines())
     if build["torch"] != torch.__version__:
         sys.exit(f"the pack's kernels were built against torch {build['torch']}, this machine has {torch.__version__}: "

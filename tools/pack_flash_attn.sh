@@ -7,10 +7,10 @@
 # (2.11.0+cu130, from its PyPI wheel), with flash-attn's own switches that leave out what no
 # caller here uses (dropout, ALiBi, softcap, local windows, head_dims other than the kernels'
 # 32, 64, 96, 128, 192 and 256, the backward pass). flash_api.cpp (the Python binding) is
-# compiled and linked on the device (scripts/link_flash_attn.py through device_check.sh's
+# compiled and linked on the device (tools/link_flash_attn.py through gpu_check.sh's
 # FLASH_TAR), against the image's Python and torch.
-#   bash scripts/pack_flash_attn.sh          # here, once (~28 min on 2 cores); writes .flash/*.tar.xz (ignored)
-#   FLASH_TAR=.flash/flash-attn-2.8.3.post2-sm90.tar.xz bash scripts/device_check.sh flash ...
+#   bash tools/pack_flash_attn.sh          # here, once (~28 min on 2 cores); writes .flash/*.tar.xz (ignored)
+#   FLASH_TAR=.flash/flash-attn-2.8.3.post2-sm90.tar.xz bash tools/gpu_check.sh flash ...
 # One change to flash-attn's source: with FLASHATTENTION_DISABLE_BACKWARD its Python entry
 # points for the backward pass refuse, but flash_api.cpp's run_mha_bwd still names every
 # backward kernel; its body is compiled out here so that the module links without them.

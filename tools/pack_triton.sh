@@ -4,8 +4,8 @@
 # parts a Triton kernel launch does not load left out (CUPTI, the ptxas sm_90 does not run, proton, the
 # instrumentation test library, AMD's code generator), as one tar.xz under the one carry's 64 MiB
 # (3.8.0: 248 MB wheel -> 55 MB; 3.9.0 -> 59 MB). On the device:
-#   TRITON_TAR=.triton/triton-3.8.0.tar.xz bash scripts/device_check.sh ...
-#   bash scripts/pack_triton.sh 3.8.0        # here, once; writes .triton/triton-3.8.0.tar.xz (ignored)
+#   TRITON_TAR=.triton/triton-3.8.0.tar.xz bash tools/gpu_check.sh ...
+#   bash tools/pack_triton.sh 3.8.0        # here, once; writes .triton/triton-3.8.0.tar.xz (ignored)
 # torch's CUDA wheels pin their Triton: 2.12.0 -> 3.7.0, 2.13.0 -> 3.7.1, 2.14.1 -> 3.8.0 (pip's
 # resolver, 2026-12-03), 2.15.0 -> ~=3.9.0 (its wheel's METADATA, 2026-12-04); the image's torch
 # 2.11 has 3.6.

@@ -8,8 +8,8 @@ and compares `torch.cuda.max_memory_allocated()` with plan's weights + KV + acti
 (the CUDA context and the reserve are not allocator memory). Prints one JSON line per case.
 
 Usage on the GPU machine (bitsandbytes carried as a wheel, see /work/.library/device/README):
-  python3 scripts/plan_check.py --weights-bits 16 --budget-gib 24
-  python3 scripts/plan_check.py --weights-bits 4 --budget-gib 24
+  python3 tools/plan_check.py --weights-bits 16 --budget-gib 24
+  python3 tools/plan_check.py --weights-bits 4 --budget-gib 24
 """
 
 import argparse

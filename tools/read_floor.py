@@ -19,8 +19,8 @@ Times are CUDA-graph replays over copies far beyond L2 (the bench's `_time_graph
 Also a read followed by a one-program second launch in the same graph: what a second kernel
 (the split merge) costs a call even when it does no work.
 
-Usage (GPU machine, repo root): python3 scripts/read_floor.py [--cases 128k:1,512k:1,32k:8] [--quick]
-CPU check of the kernel under the interpreter: TRITON_INTERPRET=1 python3 scripts/read_floor.py --check
+Usage (GPU machine, repo root): python3 tools/read_floor.py [--cases 128k:1,512k:1,32k:8] [--quick]
+CPU check of the kernel under the interpreter: TRITON_INTERPRET=1 python3 tools/read_floor.py --check
 """
 from __future__ import annotations
 

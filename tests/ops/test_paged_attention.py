@@ -222,7 +222,7 @@ def test_flash_matches_fp64(case, stage, standin):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
-                    reason="needs a CUDA GPU and flash-attn (PyPI has it as source only; scripts/pack_flash_attn.sh builds it for the GPU machine)")
+                    reason="needs a CUDA GPU and flash-attn (PyPI has it as source only; tools/pack_flash_attn.sh builds it for the GPU machine)")
 @pytest.mark.parametrize("stage", ["one-slice", "block-slices"])
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_flash_attn_matches_fp64(case, stage):

@@ -8,7 +8,7 @@ packed channels are never interleaved in registers. That dot runs on fp16 tensor
 fp32's accuracy (`rotation.dot_signs`: the tile's values, scaled by a power of two into fp16's
 range, as an fp16 head and tail times the exact +-1 signs, with fp32 sums; 1/sqrt(D) and the
 power of two are taken back out at the end). An "ieee" fp32 dot ran as FMAs, ~50,000
-sm_90 instructions a program (notes/decode-kernel.md v40). The output may be a slice of a
+sm_90 instructions a program (docs/kernels.md). The output may be a slice of a
 larger staging buffer (prefill writes the past and then the tail into one buffer), or a
 permuted view of one laid out token-major ([B, T, H, D], as flash-attn's pages are). With a
 shift per row, row b's token t lands at position t - shift[b] and tokens t < shift[b] are not
@@ -88,7 +88,7 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
             # so that the scales load and the output stores along D, 16 bytes a lane. Stored a
             # sub-tile at a time, at a stride of PER channels, triton 3.6 laid the stores out
             # along tokens (a 2-byte store a lane, a row apart): on the H200, the bench's
-            # dequantize-all then SDPA at 128k took 4.12 ms, against 0.337 now (notes v39)
+            # dequantize-all then SDPA at 128k took 4.12 ms, against 0.337 now
             code = _code_f32(x, 0, BITS)
             if PER == 2:
                 code = tl.reshape(tl.join(code, _code_f32(x, 1, BITS)), (P, D))

@@ -209,7 +209,7 @@ def int2_words_f16(x, r: tl.constexpr, FORM: tl.constexpr, ASM: tl.constexpr):
     """Sub-tile r of int2 codes loaded as int16 words x [A, B, n] (a word's low byte is
     column 2i of the byte tile, its high byte column 2i + 1) as fp16 [A, B, 2n] in FORM:
     the columns of the byte tile's sub-tile r. (On byte tiles, uint8, the sm_90 side loop ran
-    ~2,450 instructions a page, with shared-memory round trips: notes v41.)"""
+    ~2,450 instructions a page, with shared-memory round trips.)"""
     lo = int2_f16(x, 2 * r, FORM, ASM)
     hi = int2_f16(x, 2 * r + 8, FORM, ASM)
     return tl.reshape(tl.join(lo, hi), (x.shape[0], x.shape[1], 2 * x.shape[2]))
@@ -228,7 +228,7 @@ def int2_rows_f16(x, r: tl.constexpr, FORM: tl.constexpr, ASM: tl.constexpr):
     same word (loaded twice): row i takes its low byte's code, row n + i its high byte's, as
     fp16 in FORM. Elementwise, where a join along rows went through shared memory (in the dot
     operand's layout a thread holds rows i and i + 8 of each 16). On triton 3.6 the converted
-    codes still take one shared-memory round trip a sub-tile to reach that layout (notes v41)."""
+    codes still take one shared-memory round trip a sub-tile to reach that layout."""
     n: tl.constexpr = x.shape[1] // 2
     return int2_f16(x, (2 * r + 8 * (tl.arange(0, 2 * n) // n))[None, :, None], FORM, ASM)
 

@@ -15,7 +15,7 @@ Only where flash-attn (>= 2.6, CUDA, fp16/bf16 queries) imports. PyPI has flash-
 source only, so on the CPU tests/ops/test_paged_attention.py checks this module against an
 fp64 oracle through a torch stand-in for flash-attn's documented contract
 (`longctx.testing.flash_kvcache_standin`); where flash-attn imports on a GPU (the GPU machine,
-through scripts/pack_flash_attn.sh) the same grid runs on the real kernel, and
+through tools/pack_flash_attn.sh) the same grid runs on the real kernel, and
 tests/test_cuda.py holds the stand-in to it.
 """
 

@@ -426,7 +426,7 @@ def side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
             # Two dots, the low bytes' codes against the query's even columns and the high
             # bytes' against its odd ones: joined into one operand, the codes made Triton halve
             # both operands' register width (kWidth), which sent the query's through shared
-            # memory each sub-tile (sm_90: 1,491 instructions a page and 17 barriers, notes v42)
+            # memory each sub-tile (sm_90: 1,491 instructions a page and 17 barriers)
             lo = int2_f16(xk, 2 * r, TINY if TINY_CODES else BIASED, ASM)
             hi = int2_f16(xk, 2 * r + 8, TINY if TINY_CODES else BIASED, ASM)
             ql, qh = tl.split(tl.permute(tl.reshape(pick_subtile(q30, q31, q32, q33, r), (W, DK // 2, 2, G_PAD)), (0, 1, 3, 2)))
@@ -500,7 +500,7 @@ def side_values_folded(VC, VS, VZ, bh, sub, pt, x0, x1, x2, x3, z_acc, alpha, of
     holds p * s_g, losing bits only below its normal range, 6.1e-5). All are rescaled by alpha
     [W, rows] first. (Codes biased by 1024 as K's, the bias taken out once from the sums of the
     fp16 p * s_g, saved an instruction a pair but measured no faster on the H200, and int2 with
-    rotation left the error budget there: notes v13.) With TINY_CODES the codes are tiny instead
+    rotation left the error budget there.) With TINY_CODES the codes are tiny instead
     (one AND or PRMT a pair, no subtract): x_r then holds its sums in units of tiny_unit(r),
     which unfold_values takes out."""
     W: tl.constexpr = bh.shape[0]

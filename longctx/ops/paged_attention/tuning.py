@@ -146,7 +146,7 @@ def fit_tile(compiled, tiles: list[int], stages: int, limit: int, what: str, adv
     least; SharedMemoryError where not even the smallest tile fits in one stage.
     compiled(tile, stages) gives (shared bytes, local words or None where over the limit). A
     larger tile before more stages: the prefill kernel's tiles of 32 in two stages lost 20-41 %
-    to tiles of 128 in one under a 99 KiB limit on the H200 (notes v45)."""
+    to tiles of 128 in one under a 99 KiB limit on the H200."""
     least = None  # (spills, tile, stages) of the fitting ones, the first best
     for tile in tiles:
         for n in range(stages, 0, -1):
