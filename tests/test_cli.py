@@ -420,9 +420,9 @@ def _fake_gpu(monkeypatch, free: int, fail_at: int = 0, error=None) -> list[int]
         return 0.5
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(bench, "_free_bytes", lambda device: free)
-    monkeypatch.setattr(bench, "_time", timer)
-    monkeypatch.setattr(bench, "_time_graph", timer)
+    monkeypatch.setattr(bench, "free_bytes", lambda device: free)
+    monkeypatch.setattr(bench, "time_calls", timer)
+    monkeypatch.setattr(bench, "time_graph", timer)
     return copies
 
 
@@ -448,7 +448,7 @@ def test_bench_decode_flash_attn_peer_meets_its_contract_and_reports_failures(mo
             assert fn(i).shape == (1, 1, 4, 64)
         return 0.5
 
-    monkeypatch.setattr(bench, "_free_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(bench, "free_bytes", lambda device: 1 << 40)
     q = torch.randn(1, 4, 1, 64).bfloat16()
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_with_kvcache=fa))
     row = bench._flash_attn_row(q, 300, 1, 2, 64, timer, 1)
@@ -471,10 +471,10 @@ def test_bench_decode_rows_that_do_not_fit_say_so_and_the_rest_are_timed(monkeyp
     not even the fewest fit, has no time and a note of what it needed; the bench goes on with
     the rows after it, and the CLI shows the note and writes JSON nulls for the missing figures."""
     from longctx import KVConfig
-    from longctx.bench import _SLACK, bench_decode, synthetic_view, view_nbytes
+    from longctx.bench import SLACK, bench_decode, synthetic_view, view_nbytes
 
     H, D, mib = 3, 64, 1024**2
-    free = _SLACK + 100 * mib
+    free = SLACK + 100 * mib
     copies = _fake_gpu(monkeypatch, free)
     cases = [(1024, 1), (1 << 20, 1), (65536, 1), (2048, 2)]
     rows = bench_decode(formats=("int4", "int8"), shape="smollm2-135m", cases=cases, graph=True, device="cpu")
@@ -500,12 +500,12 @@ def test_bench_decode_rows_that_do_not_fit_say_so_and_the_rest_are_timed(monkeyp
         return n * view_nbytes(synthetic_view(r.batch, r.context, H, D, cfg, "meta")) + (dense if r.name.startswith("dequantize") else 0)
 
     for r, n in zip(timed, copies, strict=True):
-        assert need(r, n) <= free - _SLACK and (n == 32 or need(r, n + 1) > free - _SLACK), (r.name, r.context, n)
+        assert need(r, n) <= free - SLACK and (n == 32 or need(r, n + 1) > free - SLACK), (r.name, r.context, n)
     at_64k = [n for r, n in zip(timed, copies, strict=True) if r.context == 65536]
     assert at_64k[0] == 2 and all(n < 32 for n in at_64k), at_64k  # 2 copies of the 48 MiB dense K/V fit, not 32
     assert at_64k[2] < at_64k[1]  # the dequantizing peer: fewer int4 copies, beside one call's dense K/V
     # one copy of a K/V far beyond L2 is timed alone; the peer's int4 copies and its dense temporaries do not fit
-    copies = _fake_gpu(monkeypatch, free := _SLACK + 800 * mib)
+    copies = _fake_gpu(monkeypatch, free := SLACK + 800 * mib)
     rows = bench_decode(formats=("int4",), shape="smollm2-135m", cases=[(1 << 20, 1)], graph=True, device="cpu")
     assert [r.ms == r.ms for r in rows] == [True, True, False] and copies == [1, 3], copies
     assert rows[2].note == f"out of GPU memory: needs 2 copies of 0.2 GiB + 0.8 GiB of temporaries + 0.5 GiB of workspace, {free / 1024**3:.1f} GiB free"

@@ -150,11 +150,12 @@ def test_perplexity_increase_within_budget(quality, name, limit_pct, capsys):
     assert delta <= limit_pct
 
 
-def test_int2_rotation_is_reported(quality, capsys):
+def test_int2_rotation_within_budget(quality, capsys):
     base, r = quality["exact"], quality["int2+rot"]
     with capsys.disabled():
         print(f"\n[quality] {r.name} (block 16): ppl {r.ppl:.4f} ({r.delta_pct(base):+.3f} %)")
-    assert r.ppl > base.ppl * 0.99  # 2 bits cannot be better than exact by more than noise
+    # measured +3.4 to +3.7 % on 2-core CPUs (docs/benchmarks.md); without the rotation 2 bits cost +20 %
+    assert base.ppl * 0.99 < r.ppl < base.ppl * 1.06
 
 
 def test_passkey_int4_finds_every_key_exact_finds(smol, capsys):

@@ -15,7 +15,7 @@ int4 call), so that every ratio comes from one process:
   int4     = SDPA / the int4 call                   (the bench's ratio)
   of read  = fastest read of int4's bytes / the int4 call
 
-Times are CUDA-graph replays over copies far beyond L2 (the bench's `_time_graph`, `_copies`).
+Times are CUDA-graph replays over copies far beyond L2 (the bench's `time_graph`, `copies_for`).
 Also a read followed by a one-program second launch in the same graph: what a second kernel
 (the split merge) costs a call even when it does no work.
 
@@ -88,14 +88,14 @@ def main() -> None:
     if a.check:
         check()
         return
-    from longctx.bench.common import _copies, _setup, _time_graph
+    from longctx.bench.common import copies_for, bench_setup, time_graph
     from longctx.bench.decode import _dense_bytes, _sizes, bench_decode, decode_cases
     from longctx.cli.bench import _pairs
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(torch.cuda.get_device_name(), "SMs", sms, "torch", torch.__version__, "triton", triton.__version__)
-    cfgs, _, H, D = _setup("decode", ("int4",), 64)  # the bench's int4 format and shape
+    cfgs, _, H, D = bench_setup("decode", ("int4",), 64)  # the bench's int4 format and shape
     blocks = (1024, 4096) if a.quick else (512, 1024, 2048, 4096)
     warps = (4, 8) if a.quick else (4, 8, 16)
     stages = (2, 3) if a.quick else (2, 3, 4)
@@ -108,18 +108,18 @@ def main() -> None:
         if nbytes in done:
             return done[nbytes]
         words = math.ceil(nbytes / 4)
-        L = _copies(words * 4)
+        L = copies_for(words * 4)
         xs = [torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device=dev) for _ in range(L)]
         best = (float("inf"), (0, 0, 0, 0))
         for blk, w, ns, gm in itertools.product(blocks, warps, stages, grids):
             if blk // (32 * w) < 4:
                 continue  # fewer than 4 words a thread: no 16-byte loads
-            ms = _time_graph(lambda i: stream(xs[i], out, gm * sms, blk, w, ns), L, 5)
+            ms = time_graph(lambda i: stream(xs[i], out, gm * sms, blk, w, ns), L, 5)
             best = min(best, (ms, (blk, w, ns, gm * sms)))
         blk, w, ns, gm = best[1]
         how = f"tile {blk} words, {w} warps, {ns} stages, {gm} programs"
-        ms = min(_time_graph(lambda i: stream(xs[i], out, gm, blk, w, ns), L, 20) for _ in range(2))
-        two = min(_time_graph(lambda i: (stream(xs[i], out, gm, blk, w, ns), _touch[(1,)](out)), L, 20) for _ in range(2))
+        ms = min(time_graph(lambda i: stream(xs[i], out, gm, blk, w, ns), L, 20) for _ in range(2))
+        two = min(time_graph(lambda i: (stream(xs[i], out, gm, blk, w, ns), _touch[(1,)](out)), L, 20) for _ in range(2))
         del xs
         torch.cuda.empty_cache()
         done[nbytes] = (ms, how + f"; with a second launch {two * 1e3:.2f} us")

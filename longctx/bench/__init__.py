@@ -4,7 +4,7 @@ to a decode step) and `e2e` (a Llama-3-8B-shaped model, whole steps). Each retur
 (dataclasses); the CLI (`longctx bench`) renders them. `common` holds what they share."""
 
 from .common import SHAPES, bench_configs, copy_view, sealing_share, synthetic_view, view_bytes, view_nbytes
-from .common import _config, _copies, _setup, _SLACK, _time, _time_graph  # noqa: F401 - for tools/ and tests
+from .common import SLACK, bench_setup, copies_for, format_config, time_calls, time_graph  # noqa: F401 - for tools/ and tests
 from .decode import DecodeRow, bench_decode, decode_cases, flash_attn_pages
 from .e2e import STATIC_WARMUP, E2ERow, bench_e2e, llama3_8b_shaped
 from .prefill import PrefillRow, bench_prefill

@@ -89,7 +89,7 @@ def view_bytes(view: PagedView) -> int:
     return b
 
 
-def _time(fn, copies: int, reps: int) -> float:
+def time_calls(fn, copies: int, reps: int) -> float:
     """Median ms of one call, timing loops over all copies with CUDA events."""
     for i in range(min(copies, 3)):
         fn(i)
@@ -107,8 +107,8 @@ def _time(fn, copies: int, reps: int) -> float:
     return ts[len(ts) // 2]
 
 
-def _time_graph(fn, copies: int, reps: int) -> float:
-    """Like _time, but the calls on every copy are captured in one CUDA graph and replayed:
+def time_graph(fn, copies: int, reps: int) -> float:
+    """Like time_calls, but the calls on every copy are captured in one CUDA graph and replayed:
     the GPU's time per call, kernels and the gaps between them, without the host's launch
     overhead (what a captured decode step pays per layer). One graph for all copies rather
     than one per copy: a graph launch costs the host ~5-10 us, which at 4k would be timed
@@ -123,21 +123,21 @@ def _time_graph(fn, copies: int, reps: int) -> float:
     with torch.cuda.graph(g):
         for i in range(copies):
             fn(i)
-    return _time(lambda _: g.replay(), 1, reps) / copies
+    return time_calls(lambda _: g.replay(), 1, reps) / copies
 
 
-def _copies(bytes_per_copy: int, target: int = 3 * 1024**3) -> int:
+def copies_for(bytes_per_copy: int, target: int = 3 * 1024**3) -> int:
     return max(2, min(32, math.ceil(target / max(1, bytes_per_copy))))
 
 
 # GPU memory a decode row keeps free beyond its copies: the kernels' split workspaces and
 # outputs, a CUDA graph's pool, the allocator's rounding and fragments
-_SLACK = 512 * 1024**2
+SLACK = 512 * 1024**2
 # a copy this large is far beyond any GPU's L2 (the H200's is 60 MB): one copy times as well as two
 _ONE_COPY = 512 * 1024**2
 
 
-def _free_bytes(device) -> int:
+def free_bytes(device) -> int:
     """GPU memory free for the next row: the driver's free bytes once the allocator has
     returned what it holds unused."""
     torch.cuda.empty_cache()
@@ -149,26 +149,26 @@ def _fewest_copies(copy_bytes: int) -> int:
     return 1 if copy_bytes >= _ONE_COPY else 2
 
 
-def _fit_copies(copy_bytes: int, free: int, extra: int = 0) -> int:
+def fit_copies(copy_bytes: int, free: int, extra: int = 0) -> int:
     """How many copies of `copy_bytes` to time with `free` bytes, `extra` of them taken by a
-    call's temporaries: `_copies`' count, fewer when they do not all fit, 0 when not even
+    call's temporaries: `copies_for`' count, fewer when they do not all fit, 0 when not even
     the fewest fit."""
-    fit = (free - extra - _SLACK) // max(1, copy_bytes)
-    return min(_copies(copy_bytes), fit) if fit >= _fewest_copies(copy_bytes) else 0
+    fit = (free - extra - SLACK) // max(1, copy_bytes)
+    return min(copies_for(copy_bytes), fit) if fit >= _fewest_copies(copy_bytes) else 0
 
 
 def _gib(n: int) -> str:
     return f"{n / 1024**3:.1f} GiB"
 
 
-def _no_room(copy_bytes: int, free: int, extra: int = 0) -> str:
+def no_room(copy_bytes: int, free: int, extra: int = 0) -> str:
     """The note of a row whose fewest copies do not fit."""
     fewest = _fewest_copies(copy_bytes)
     parts = [f"{fewest} cop{'y' if fewest == 1 else 'ies'} of {_gib(copy_bytes)}"] + ([f"{_gib(extra)} of temporaries"] if extra else [])
-    return f"out of GPU memory: needs {' + '.join(parts)} + {_gib(_SLACK)} of workspace, {_gib(free)} free"
+    return f"out of GPU memory: needs {' + '.join(parts)} + {_gib(SLACK)} of workspace, {_gib(free)} free"
 
 
-def _out_of_memory(e: BaseException) -> bool:
+def out_of_memory(e: BaseException) -> bool:
     """An out-of-memory error, or an error raised while unwinding from one (a CUDA graph's
     capture that an allocation failed inside ends in an error of its own)."""
     seen = 0
@@ -179,20 +179,20 @@ def _out_of_memory(e: BaseException) -> bool:
     return False
 
 
-def _config(name: str, block_size: int) -> KVConfig:
+def format_config(name: str, block_size: int) -> KVConfig:
     return kv_preset(_ALIASES.get(name, name), block_size=block_size)
 
 
 def bench_configs(formats, block_size: int = 64, shape: str = "llama-3-8b") -> tuple[dict[str, KVConfig], dict[str, int]]:
     """The formats' configs by name and the shape's dimensions, checked (bad names fail here,
     before anything is built): what a bench runs with, and what `--print-config` shows."""
-    cfgs = {name: _config(name, block_size) for name in formats}
+    cfgs = {name: format_config(name, block_size) for name in formats}
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
     return cfgs, SHAPES[shape]
 
 
-def _setup(bench: str, formats, block_size: int, shape: str = "llama-3-8b") -> tuple[dict[str, KVConfig], int, int, int]:
+def bench_setup(bench: str, formats, block_size: int, shape: str = "llama-3-8b") -> tuple[dict[str, KVConfig], int, int, int]:
     """Every bench's start: the formats' configs, a CUDA check, and the shape's (query heads,
     KV heads, head_dim)."""
     cfgs, dims = bench_configs(formats, block_size, shape)
@@ -201,7 +201,7 @@ def _setup(bench: str, formats, block_size: int, shape: str = "llama-3-8b") -> t
     return cfgs, dims["heads"], dims["kv_heads"], dims["head_dim"]
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
     s, n = sorted(xs), len(xs)
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
@@ -215,6 +215,6 @@ def sealing_share(step_ms: list[float], sealed: list[bool], block_size: int) -> 
     seals = [t for t, s in zip(step_ms, sealed, strict=True) if s]
     if not plain or not seals:
         return float("nan"), float("nan")
-    median = _median(plain)
+    median = median(plain)
     extra = sum(seals) / len(seals) - median
     return extra, 100.0 * extra / (block_size * median)

@@ -18,7 +18,7 @@ import torch
 from ..config import KVConfig
 from ..ops.backend import flash_available
 from ..ops.pages import PagedView
-from .common import (_fit_copies, _free_bytes, _no_room, _out_of_memory, _setup, _time, _time_graph, copy_view, synthetic_view,
+from .common import (fit_copies, free_bytes, no_room, out_of_memory, bench_setup, time_calls, time_graph, copy_view, synthetic_view,
                      view_bytes, view_nbytes)
 
 
@@ -72,7 +72,7 @@ def _timed_row(name: str, T: int, B: int, kv_bytes: int, measure) -> DecodeRow:
     try:
         return DecodeRow(name, T, B, measure(), kv_bytes)
     except Exception as e:
-        if not _out_of_memory(e):
+        if not out_of_memory(e):
             raise
         return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"out of GPU memory ({_error_line(e)})")
 
@@ -107,7 +107,7 @@ def bench_decode(
     e.g. batch 1 at 128k and 512k with batch 8 at 32k in one process).
     graph=True times CUDA-graph replays of every kernel, peers included (no launch overhead).
 
-    Each row times copies of its KV in distinct memory (see `_copies`), as many as fit in the
+    Each row times copies of its KV in distinct memory (see `copies_for`), as many as fit in the
     GPU's free memory; a row that does not fit at all gets no time and a note saying what it
     needed, and the bench goes on with the next row."""
     import torch.nn.functional as F
@@ -116,8 +116,8 @@ def bench_decode(
     from ..ops.paged_attention import paged_attention
 
     pairs = decode_cases(contexts, batches, cases)
-    cfgs, Hq, H, D = _setup("decode", formats, block_size, shape)
-    timer = _time_graph if graph else _time
+    cfgs, Hq, H, D = bench_setup("decode", formats, block_size, shape)
+    timer = time_graph if graph else time_calls
     rows: list[DecodeRow] = []
     for T, B in pairs:
         q = torch.randn(B, Hq, 1, D, device=device, dtype=torch.bfloat16)
@@ -132,12 +132,12 @@ def bench_decode(
         for name, cfg in cfgs.items():
             label, (kv_bytes, copy_bytes) = f"longctx {cfg.describe()}", _sizes(B, T, H, D, cfg)
             deq = "dequantize-all then SDPA (int4)" if peers and name == "int4" else None
-            free = _free_bytes(device)
-            L = _fit_copies(copy_bytes, free)
+            free = free_bytes(device)
+            L = fit_copies(copy_bytes, free)
             if not L:
-                case.append(DecodeRow(label, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free)))
+                case.append(DecodeRow(label, T, B, float("nan"), kv_bytes, note=no_room(copy_bytes, free)))
                 if deq:
-                    case.append(DecodeRow(deq, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free, dense_bytes)))
+                    case.append(DecodeRow(deq, T, B, float("nan"), kv_bytes, note=no_room(copy_bytes, free, dense_bytes)))
                 continue
             views: list[PagedView] = []
 
@@ -148,10 +148,10 @@ def bench_decode(
             case.append(_timed_row(label, T, B, kv_bytes, attend))
             if deq and len(views) == L:
                 # the same copies, as many as leave room for one call's dense K and V
-                n = min(L, _fit_copies(copy_bytes, free, dense_bytes))
+                n = min(L, fit_copies(copy_bytes, free, dense_bytes))
                 del views[n:]
                 if not n:
-                    case.append(DecodeRow(deq, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free, dense_bytes)))
+                    case.append(DecodeRow(deq, T, B, float("nan"), kv_bytes, note=no_room(copy_bytes, free, dense_bytes)))
                 else:
                     def deq_all(i):
                         k, v = gather_dequant(views[i], out_dtype=torch.bfloat16)
@@ -176,9 +176,9 @@ def _sdpa_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> DecodeRow:
     import torch.nn.functional as F
 
     name, dense_bytes = "SDPA dense bf16", _dense_bytes(B, T, H, D)
-    L = _fit_copies(dense_bytes, free := _free_bytes(q.device))
+    L = fit_copies(dense_bytes, free := free_bytes(q.device))
     if not L:
-        return DecodeRow(name, T, B, float("nan"), dense_bytes, note=_no_room(dense_bytes, free))
+        return DecodeRow(name, T, B, float("nan"), dense_bytes, note=no_room(dense_bytes, free))
     kvs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def measure():
@@ -215,9 +215,9 @@ def _flash_attn_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> Deco
     is reported in the row's note (time nan), not raised."""
     name, dense_bytes = "flash-attn paged bf16", _dense_bytes(B, T, H, D)
     copy_bytes = 2 * B * -(-T // FLASH_ATTN_PAGE) * FLASH_ATTN_PAGE * H * D * 2
-    L = _fit_copies(copy_bytes, free := _free_bytes(q.device))
+    L = fit_copies(copy_bytes, free := free_bytes(q.device))
     if not L:
-        return DecodeRow(name, T, B, float("nan"), dense_bytes, note=_no_room(copy_bytes, free))
+        return DecodeRow(name, T, B, float("nan"), dense_bytes, note=no_room(copy_bytes, free))
     caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def measure():
@@ -238,14 +238,14 @@ def _flex_row(q, B: int, T: int, H: int, D: int, block_size: int, reps: int) -> 
 
     name, cfg = "FlexAttention paged bf16", KVConfig(bits=16, block_size=block_size)
     kv_bytes, copy_bytes = _sizes(B, T, H, D, cfg)
-    L = _fit_copies(copy_bytes, free := _free_bytes(q.device))
+    L = fit_copies(copy_bytes, free := free_bytes(q.device))
     if not L:
-        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=_no_room(copy_bytes, free))
+        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=no_room(copy_bytes, free))
     views: list[PagedView] = []
 
     def measure():
         _fill(views, L, B, T, H, D, cfg, q.device)
-        return _time(lambda i: paged_attention(q, views[i], backend="flex", return_lse=False), L, reps)
+        return time_calls(lambda i: paged_attention(q, views[i], backend="flex", return_lse=False), L, reps)
 
     return _peer_row(name, T, B, kv_bytes, measure, views)
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .common import _out_of_memory, _setup, sealing_share
+from .common import out_of_memory, bench_setup, sealing_share
 
 
 @dataclass
@@ -89,7 +89,7 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
                             ("warmup", warmup, 0)):
         if n < least:
             raise ValueError(f"{what} must be at least {least}, got {n}")
-    cfgs, _, _, _ = _setup("e2e", formats, 64)  # bad values and names fail before a 16 GB model is built
+    cfgs, _, _, _ = bench_setup("e2e", formats, 64)  # bad values and names fail before a 16 GB model is built
     model = llama3_8b_shaped(layers, context + 2 * (warmup + new_tokens) + 16, device)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
 
@@ -102,7 +102,7 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
         try:
             measure(*args)
         except Exception as e:
-            if not _out_of_memory(e):
+            if not out_of_memory(e):
                 raise
             nan = float("nan")
             rows.append(E2ERow(now["row"], context, nan, nan, torch.cuda.max_memory_allocated() / 2**30,

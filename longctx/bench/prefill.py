@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .common import _setup, _time
+from .common import bench_setup, time_calls
 
 
 @dataclass
@@ -44,7 +44,7 @@ def bench_prefill(contexts=(32768, 131072), chunks=(16384,), formats=("int4", "i
         raise ValueError(f"prefill contexts must be at least 1 token, got {list(contexts)}")
     if any(c < 2 for c in chunks):  # chunks longer than a context are cut to it
         raise ValueError(f"prefill chunks must be at least 2 tokens (one token is a decode step), got {list(chunks)}")
-    cfgs, Hq, H, D = _setup("prefill", formats, block_size, shape)
+    cfgs, Hq, H, D = bench_setup("prefill", formats, block_size, shape)
     rows: list[PrefillRow] = []
     for T in contexts:
         g = torch.Generator(device=device).manual_seed(T)
@@ -52,7 +52,7 @@ def bench_prefill(contexts=(32768, 131072), chunks=(16384,), formats=("int4", "i
         v = torch.randn(1, H, T, D, device=device, dtype=torch.bfloat16, generator=g)
         for C in sorted({min(c, T) for c in chunks}):
             q = torch.randn(1, Hq, C, D, device=device, dtype=torch.bfloat16, generator=g)
-            case = [PrefillRow("SDPA dense bf16 (flash)", T, C, _time(lambda _, q=q: sdpa_lower_right(q, k, v), 1, reps))]
+            case = [PrefillRow("SDPA dense bf16 (flash)", T, C, time_calls(lambda _, q=q: sdpa_lower_right(q, k, v), 1, reps))]
             for name, cfg in cfgs.items():
                 cache = PagedKVCache(cfg, num_layers=1, num_kv_heads=H, head_dim=D)
                 cache.append(0, k[:, :, : T - C], v[:, :, : T - C])

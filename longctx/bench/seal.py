@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .common import SHAPES, _median, _setup, sealing_share
+from .common import SHAPES, median, bench_setup, sealing_share
 
 
 @dataclass
@@ -55,7 +55,7 @@ def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8
         raise ValueError(f"layers must be at least 1, got {layers}")
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
-    cfgs, Hq, H, D = _setup("seal", formats, block_size, shape)
+    cfgs, Hq, H, D = bench_setup("seal", formats, block_size, shape)
     L = SHAPES[shape]["layers"] if layers is None else layers
     P = block_size
     g = torch.Generator(device=device).manual_seed(0)
@@ -93,8 +93,8 @@ def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8
         run(2 * P)  # warm-up: the first seals compile their kernel specialization
         times, sealed = run(rounds * P)  # rounds seals: one every P steps
         extra, _ = sealing_share(times, sealed, P)
-        step = _median([t for t, s in zip(times, sealed) if not s])
-        rows.append(SealRow(f"longctx {cfg.describe()}", context, L, P, _median(run(P, append=False)[0]), step, step + extra))
+        step = median([t for t, s in zip(times, sealed) if not s])
+        rows.append(SealRow(f"longctx {cfg.describe()}", context, L, P, median(run(P, append=False)[0]), step, step + extra))
         cache.reset()
         del cache
         torch.cuda.empty_cache()

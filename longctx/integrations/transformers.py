@@ -9,8 +9,10 @@ model to it. Pass the cache as `cache=` (releases before that rename: `past_key_
 How attention finds the pages: the model calls `cache.update(k, v, layer_idx)` right
 before its attention function. `update` appends k/v to the pages and records (k, cache,
 layer); the "longctx" attention function receives that same k object and reads the pages.
-A key it does not recognise (another cache, or none) is attended densely, so a model
-switched to "longctx" still works with `DynamicCache` or `use_cache=False`.
+With nothing recorded (another cache, or none) it attends densely, so a model switched to
+"longctx" still works with `DynamicCache` or `use_cache=False`. A recorded hand-off that the
+same layer's attention does not match (the model changed the key after `update`) raises:
+attending the new chunk alone would silently drop the cache.
 
 With any other attention implementation, `update` returns the dequantized K/V (slow:
 the whole cache is expanded every step) and warns once.
@@ -86,8 +88,16 @@ def longctx_attention(module, query, key, value, attention_mask, scaling=None, d
     if kwargs.get("sliding_window") is not None:
         raise UnsupportedModelError("longctx attention pages full-attention layers only; this layer uses a sliding window")
     entry = getattr(_pending, "entry", None)
-    if entry is not None and entry[0] is key:
-        _pending.entry = None
+    _pending.entry = None
+    if entry is not None and entry[0] is not key:
+        layer = getattr(module, "layer_idx", None)
+        if layer is None or layer == entry[2]:
+            raise RuntimeError(
+                f"longctx attention of layer {entry[2]} got another key than LongCtxCache.update returned "
+                f"({tuple(key.shape)} against {tuple(entry[0].shape)}): the model changes K between the cache and its attention, "
+                "which the paged cache cannot follow; use another attn_implementation with LongCtxCache(..., attach=False)")
+        entry = None  # (left by a forward that stopped between update and attention: not this one's)
+    if entry is not None:
         paged, layer = entry[1], entry[2]
         start = start_offsets(attention_mask, paged.seq_len(layer))
         out, _ = paged.attend(layer, query, start, scaling, return_lse=False)
