@@ -17,6 +17,7 @@ padding, which attention skips. Thread-unsafe by design, like the models it serv
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -37,6 +38,28 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # 64-token blocks at short contexts, every 1/16 of the context at long ones), and its plan is
 # made for the full width
 GRAPH_ROOM = (16, 16)
+
+
+@dataclasses.dataclass
+class DeviceStep:
+    """The state CUDA-graph decode steps read on the device: one object, owned by the cache
+    (`PagedKVCache.device_step`), handed to attention through `view` (tail_len, n_blocks) and
+    read by the graph decoder. It lives from the first recording until something the graphs
+    cannot follow (the table is full, the row count changes, a crop or reset) drops it."""
+    # table: [batch, logical_block] -> physical block id, block_table()'s columns then room
+    # that seals fill in place (GRAPH_ROOM); count: the columns in use, int32 [1]
+    table: torch.Tensor
+    count: torch.Tensor
+    # while a step is recorded (`static_step`): the tail slot its tokens go to (int64 [1]),
+    # the tail's length after them (int32 [1]) and each row's first attended position
+    # (int32 [B] or None); whoever replays advances slot and length
+    slot: torch.Tensor | None = None
+    length: torch.Tensor | None = None
+    start: torch.Tensor | None = None
+
+    @property
+    def recording(self) -> bool:
+        return self.slot is not None
 
 
 def _index(values, device, dtype=torch.int64) -> torch.Tensor:
@@ -84,10 +107,7 @@ class PagedKVCache:
         self.tail_k = self.tail_v = None  # [L, B, H_kv, capacity, D]
         self._table_tensor: torch.Tensor | None = None  # int32 [B, n_blocks], rebuilt on change
         self.seals = 0  # blocks sealed so far (physical, all rows)
-        self._static: tuple | None = None  # (slot, length, start) while a step is recorded (`static_step`)
-        # (table [B, width] with room, its block count int32 [1]) on the device, for recorded
-        # steps (`graph_table`): seals write their columns in place while there is room
-        self._graph_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.device_step: DeviceStep | None = None  # what recorded decode steps read on the device
 
     # ------------------------------------------------------------------ state
     @property
@@ -210,11 +230,12 @@ class PagedKVCache:
         t0 = self.tail_len[layer]
         if layer != 0 and t0 + C > self.tail_k.shape[3]:
             raise RuntimeError(f"append: layer {layer} got tokens before layer 0 started the step")
-        if self._static is not None:  # a recorded step: the slot comes from the device
+        step = self.device_step
+        if step is not None and step.recording:  # a recorded step: the slot comes from the device
             if C != 1:
                 raise ValueError(f"append: a step recorded for CUDA graphs takes one token a row, got {C}")
-            self.tail_k[layer].index_copy_(2, self._static[0], k.to(self.dtype))
-            self.tail_v[layer].index_copy_(2, self._static[0], v.to(self.dtype))
+            self.tail_k[layer].index_copy_(2, step.slot, k.to(self.dtype))
+            self.tail_v[layer].index_copy_(2, step.slot, v.to(self.dtype))
         else:
             self.tail_k[layer, :, :, t0 : t0 + C] = k.to(self.dtype)
             self.tail_v[layer, :, :, t0 : t0 + C] = v.to(self.dtype)
@@ -224,7 +245,7 @@ class PagedKVCache:
         # A forward interrupted mid-way (Ctrl-C) leaves some layers ahead: drop its tokens.
         committed = min(self.tail_len)
         self.tail_len = [committed] * self.num_layers
-        self._check_room(new_tokens)
+        self.check_room(new_tokens)
         self.seal()
         self._ensure_tail_capacity(self.tail_len[0] + new_tokens)
 
@@ -241,7 +262,9 @@ class PagedKVCache:
         possible = self._blocks_possible()
         return max(0, possible * self.block_size + self.block_size - 1 - self.seq_len())
 
-    def _check_room(self, new_tokens: int) -> None:
+    def check_room(self, new_tokens: int) -> None:
+        """Raises CacheFullError, saying how many tokens still fit, where `new_tokens` more a row
+        would need more blocks than the pools may hold."""
         needed = (self.seq_len() + new_tokens) // self.block_size
         if needed > self._blocks_possible():
             raise CacheFullError(
@@ -355,14 +378,13 @@ class PagedKVCache:
         if old is not None and tuple(old.shape) == (len(self.tables.rows), nb0):  # append the n new columns
             new = _index([row[nb0:] for row in self.tables.rows], self.device, torch.int32).reshape(len(self.tables.rows), n)
             self._table_tensor = torch.cat([old, new], 1)
-        if self._graph_table is not None:  # the recorded steps' table: the new columns in place, or dropped when full
-            table, count = self._graph_table
-            nb = self.num_blocks
-            if nb <= table.shape[1]:
-                table[:, nb0:nb] = self.block_table()[:, nb0:nb]
-                count.fill_(nb)
+        if self.device_step is not None:  # the recorded steps' table: the new columns in place, or dropped when full
+            step, nb = self.device_step, self.num_blocks
+            if nb <= step.table.shape[1]:
+                step.table[:, nb0:nb] = self.block_table()[:, nb0:nb]
+                step.count.fill_(nb)
             else:
-                self._graph_table = None
+                self.device_step = None
         return n
 
     def _quantize_into(self, sel: list[tuple[int, int]], ids: list[int], blocks_k: torch.Tensor, blocks_v: torch.Tensor) -> None:
@@ -410,11 +432,12 @@ class PagedKVCache:
             raise ValueError(f"static_step: start must be int32 [{self.batch_size}] on {self.device}, got {start.dtype} {tuple(start.shape)} on {start.device}")
         saved = list(self.tail_len)
         self.graph_table()  # built now: built inside a capture, its host copy would be replayed
-        self._static = (slot, length, start)
+        step = self.device_step
+        step.slot, step.length, step.start = slot, length, start
         try:
             yield
         finally:
-            self._static = None
+            step.slot = step.length = step.start = None
             self.tail_len = saved
 
     def graph_table(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -426,22 +449,23 @@ class PagedKVCache:
         crop or reset, it is dropped and the next call makes a new one (so does a graph
         decoder: a new table is a new recording)."""
         nb = self.num_blocks
-        if self._graph_table is None:
+        if self.device_step is None:
             width = max(1, nb + max(GRAPH_ROOM[0], nb // GRAPH_ROOM[1]))
             with torch.inference_mode(False):  # (plain tensors: seals write them in or out of inference mode)
                 table = torch.zeros(self.batch_size, width, dtype=torch.int32, device=self.device)
                 count = torch.zeros(1, dtype=torch.int32, device=self.device)
             table[:, :nb] = self.block_table()
             count.fill_(nb)
-            self._graph_table = (table, count)
-        return self._graph_table
+            self.device_step = DeviceStep(table, count)
+        return self.device_step.table, self.device_step.count
 
     def view(self, layer: int) -> PagedView:
         # (a recorded step: the graph table and its count, the tail's block of slots and its
         # length, all on the device; the kernel clamps the sinks to the count)
-        static = self._static is not None
+        step = self.device_step
+        static = step is not None and step.recording
         t = self.block_size if static else self.tail_len[layer]
-        table, count = self.graph_table() if static else (self.block_table(), None)
+        table, count = (step.table, step.count) if static else (self.block_table(), None)
         return PagedView(
             pages=self.pages[layer],
             sink_k=self.sink_k[layer],
@@ -450,7 +474,7 @@ class PagedKVCache:
             n_sink=self.config.sink_blocks if static else min(self.config.sink_blocks, self.num_blocks),
             tail_k=self.tail_k[layer, :, :, :t],
             tail_v=self.tail_v[layer, :, :, :t],
-            tail_len=self._static[1] if static else None,
+            tail_len=step.length if static else None,
             n_blocks=count,
             shared=self.tables.shared_runs[1],
             shared_run=self.tables.shared_runs[0],
@@ -460,8 +484,8 @@ class PagedKVCache:
         """Attention of q [B, H_q, C, D] (the last C tokens of `layer`) over this layer's
         pages and tail: (out [B, H_q, C, D], lse [B, H_q, C]). start: each row's first
         attended position (None: 0, or within `static_step` the start it was given)."""
-        if start is None and self._static is not None:
-            start = self._static[2]
+        if start is None and self.device_step is not None and self.device_step.recording:
+            start = self.device_step.start
         return paged_attention(q, self.view(layer), start=start, scale=scale, backend=self.config.backend, return_lse=return_lse)
 
     def dense(self, layer: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -494,16 +518,16 @@ class PagedKVCache:
             if t:
                 self.tail_k[:, :, :, :t] = self.tail_k[:, :, :, :t].index_select(1, idx)
                 self.tail_v[:, :, :, :t] = self.tail_v[:, :, :, :t].index_select(1, idx)
-            if self._graph_table is not None:  # (its rows follow: a decode graph goes on)
-                table = self._graph_table[0]
+            if self.device_step is not None:  # (its rows follow: a decode graph goes on)
+                table = self.device_step.table
                 table.copy_(table.index_select(0, idx))
                 now = self.tables.shared_runs
                 if now[0] != runs[0] or now[1] < runs[1]:  # (a recorded step reads each run's shared blocks once: record anew)
-                    self._graph_table = None
+                    self.device_step = None
             return
         self.tail_k = self.tail_k.index_select(1, idx)
         self.tail_v = self.tail_v.index_select(1, idx)
-        self._graph_table = None
+        self.device_step = None
 
     def reorder(self, beam_idx) -> None:
         self.select_rows(beam_idx)
@@ -544,14 +568,14 @@ class PagedKVCache:
         self.tables.truncate(keep_blocks)
         self.tail_len = [keep] * self.num_layers
         self._table_tensor = None
-        self._graph_table = None
+        self.device_step = None
 
     def reset(self) -> None:
         """Drop every row and token; pools keep their memory for reuse."""
         self.tables.clear()
         self.tail_len = [0] * self.num_layers
         self._table_tensor = None
-        self._graph_table = None
+        self.device_step = None
 
     # ------------------------------------------------------------------ report
     @_storage_op

@@ -2,13 +2,13 @@
 few thousand kernel launches and the Python around them.
 
 An eager decode step of a 7B-class model is bound by the host at any context an H200 or a
-consumer card holds (ANCHORS.md: ~70 ms a token with DynamicCache + SDPA, of a few ms of GPU
-work). `GraphDecoder` records one step of the model over a `LongCtxCache` into a CUDA graph
+consumer card holds (docs/benchmarks.md: 60 ms a token with DynamicCache + SDPA at 128k on an H200,
+against 8.3 from graphs). `GraphDecoder` records one step of the model over a `LongCtxCache` into a CUDA graph
 and replays it while nothing but the step's position changes: the token ids, the position
 ids and the tail's write slot and length live on the device, and the graph advances them
 itself. When a block seals, once every block_size tokens, the decoder seals between two
 replays (eagerly, as an eager step would): the seal writes the new column into a table with
-room (`PagedKVCache.graph_table`) and the block count on the device, which the decode kernel
+room and the block count on the device (the cache's `DeviceStep`), which the decode kernel
 loads, so the same graph goes on. A new graph is recorded only when that table is full
 (after GRAPH_ROOM's blocks) or something else changed the cache.
 
@@ -114,7 +114,7 @@ class GraphDecoder:
         it, or drops it when full; a reorder moves its rows in place, a change of the row count
         drops it), the tails, the sinks and the pools (replaced when they grow)."""
         paged = self.paged
-        table = paged._graph_table[0] if paged._graph_table is not None else None
+        table = paged.device_step.table if paged.device_step is not None else None
         pool = next(iter(paged.pages[0].tensors().values()))
         return (tuple(paged.tail_len), paged.batch_size), (table, paged.tail_k, paged.sink_k, pool)
 
@@ -187,7 +187,7 @@ class GraphDecoder:
             raise ValueError(f"GraphDecoder.step: ids must be {tuple(self.ids.shape)} (one token a row), got {tuple(ids.shape)}")
         if len(set(paged.tail_len)) != 1:  # a step interrupted mid-way: drop its tokens, as append does
             paged.tail_len = [min(paged.tail_len)] * paged.num_layers
-        paged._check_room(1)
+        paged.check_room(1)
         if paged.tail_len[0] >= paged.block_size:
             fresh = not self._stale()
             paged.seal()

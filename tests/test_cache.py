@@ -98,7 +98,7 @@ def test_reorder_in_place_moves_the_held_tokens_and_the_graph_table():
     assert torch.equal(tail_k[:, :, :, :held], want_k) and torch.equal(tail_k[:, :, :, held:], room)
     assert torch.equal(table, want_t) and torch.equal(table[:, : cache.num_blocks], cache.block_table())
     cache.fork(0)
-    assert cache.tail_k is not tail_k and cache._graph_table is None and cache.batch_size == 4
+    assert cache.tail_k is not tail_k and cache.device_step is None and cache.batch_size == 4
     cache.tables.check()
 
 
@@ -121,7 +121,7 @@ def test_views_say_which_rows_hold_their_prompt_alike():
     cache.reorder(torch.tensor([2, 0, 0, 5, 3, 4]))
     assert cache.graph_table()[0] is table and (cache.view(0).shared_run, cache.view(0).shared) == (3, nb)
     cache.reorder(torch.tensor([0, 1, 3, 2, 4, 5]))
-    assert cache._graph_table is None and (cache.view(0).shared_run, cache.view(0).shared) == (6, 0)
+    assert cache.device_step is None and (cache.view(0).shared_run, cache.view(0).shared) == (6, 0)
     cache.tables.check()
 
 
@@ -388,23 +388,26 @@ def test_graph_table_takes_seals_in_place_until_full(monkeypatch):
         c.append(0, k[:, :, t - 16 : t], v[:, :, t - 16 : t])
         c.seal()
         assert c.graph_table()[0] is table and int(count) == c.num_blocks and torch.equal(table[:, : c.num_blocks], c.block_table())
-    with c.static_step(torch.tensor([c.tail_len[0]]), torch.tensor([c.tail_len[0] + 1], dtype=torch.int32)):
-        view = c.view(0)
-        assert view.block_table is table and view.n_blocks is count and view.n_sink == 1
+    slot, length = torch.tensor([c.tail_len[0]]), torch.tensor([c.tail_len[0] + 1], dtype=torch.int32)
+    with c.static_step(slot, length):  # one object holds the step's device state, and views hand it down
+        step, view = c.device_step, c.view(0)
+        assert step.recording and step.table is table and step.count is count and step.slot is slot and step.length is length
+        assert view.block_table is table and view.n_blocks is count and view.tail_len is length and view.n_sink == 1
+    assert c.device_step is step and not step.recording and step.slot is None
     c.append(0, k[:, :, 72:88], v[:, :, 72:88])
     c.seal()  # full: dropped
-    assert c._graph_table is None and int(count) == 4
+    assert c.device_step is None and int(count) == 4
     again, count = c.graph_table()
     assert again is not table and again.shape == (2, 7) and int(count) == 5 and torch.equal(again[:, :5], c.block_table())
     row1 = again[1].clone()
     c.select_rows([1, 0])  # (as many rows: its rows move in place)
     assert c.graph_table()[0] is again and torch.equal(again[:, :5], c.block_table()) and torch.equal(again[0], row1)
     c.free(0)  # (fewer rows: dropped)
-    assert c._graph_table is None
+    assert c.device_step is None
     table, count = c.graph_table()
     assert table.shape == (1, 7) and torch.equal(table[:, :5], c.block_table())
     c.crop(70)
-    assert c._graph_table is None
+    assert c.device_step is None
 
 
 def test_static_step_writes_at_the_device_slot_and_restores_the_host_counts():

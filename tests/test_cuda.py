@@ -60,9 +60,8 @@ def test_triton_greedy_equals_reference_on_embedded_model(bits, min_same):
     tie broken the other way sends the two runs down different texts for every later step.
     bf16 is checked step by step by the teacher-forced test below, which holds both backends
     to the same history. At int4 in fp32 the second token is a 4e-4 tie that PyTorch's own
-    math and efficient SDPA kernels break differently:
-    until v39 the triton run parted there (3 of 256 tokens the same). Since its 256-token
-    prefill chunks stage through SDPA, as the reference's do, it breaks that tie as the GPU
+    math and efficient SDPA kernels break differently. The triton backend's 256-token prefill
+    chunks stage through SDPA, as the reference's do, so it breaks that tie as the GPU
     reference and fp64 attention do, and all 256 tokens are the same (H200)."""
     from longctx.eval import default_text
     from longctx.generate import greedy
