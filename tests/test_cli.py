@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -71,6 +72,43 @@ def test_known_errors_are_one_line_with_exit_code_2():
             assert f"{args[2][2:].replace('-', '_')} must be at least 1, got 0" in line, line
         if args[:3] == ["bench", "prefill", "--contexts"]:
             assert "contexts must be at least 1 token" in line, line
+
+
+HIDE_TRITON = """
+import sys
+
+class Hidden:  # every finder, with triton hidden from it: as on a machine without the package
+    def __init__(self, inner):
+        self.inner = inner
+
+    def find_spec(self, name, path=None, target=None):
+        return None if name.split(".")[0] == "triton" else self.inner.find_spec(name, path, target)
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+sys.meta_path[:] = [Hidden(f) for f in sys.meta_path]
+from longctx.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("args", [["bench", "decode", "--contexts", "4k"], ["bench", "prefill", "--contexts", "4k", "--chunks", "512"],
+                                  ["bench", "seal", "--context", "4k"], ["bench", "e2e", "--context", "4k"], ["info"],
+                                  ["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090"], ["eval", "quality", "--print-config"]],
+                         ids=lambda a: "-".join(a[:2]))
+def test_commands_without_triton_are_one_line_errors_or_work(args):
+    """On a machine without triton (its import hidden in a fresh process) every command either
+    works or says in one line what it lacks (a bench: triton or a CUDA GPU), never a traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", HIDE_TRITON, *args], capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert "Traceback" not in p.stderr, (args, p.stderr[-3000:])
+    if p.returncode:
+        lines = [line for line in p.stderr.splitlines() if line.strip()]
+        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (args, p.stderr)
+        assert "triton" in lines[0] or "CUDA" in lines[0], lines
+    if args == ["info"]:
+        assert "needs the triton package" in " ".join(p.stdout.split()), p.stdout
 
 
 def test_bench_decode_cases_parse_into_context_batch_pairs():

@@ -31,21 +31,38 @@ app.command("chat")(chat)
 app.command("plan")(plan)
 
 
+# optional packages a command may need, and how to get each
+OPTIONAL = {
+    "triton": "pip install 'longctx[gpu]' (a CUDA build of torch brings its own)",
+    "flash_attn": "pip install 'longctx[flash]' (PyPI has flash-attn as source only: tools/pack_flash_attn.sh builds it)",
+    "bitsandbytes": "pip install 'longctx[bnb]'",
+    "optimum": "pip install 'longctx[quanto]'",
+    "matplotlib": "pip install matplotlib",
+}
+
+
 def _one_line_errors(fn):
-    """Known errors (LongCtxError, bad values, missing files) print one line on stderr and
-    exit with code 2, inside the app, so that `main()` and test runners see the same."""
+    """Known errors (LongCtxError, bad values, missing files, a missing optional package) print
+    one line on stderr and exit with code 2, inside the app, so that `main()` and test runners
+    see the same."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from rich.console import Console
+        from rich.markup import escape
 
         from ..errors import LongCtxError
 
         try:
             return fn(*args, **kwargs)
-        except (LongCtxError, ValueError, FileNotFoundError) as e:
+        except (LongCtxError, ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+            package = (getattr(e, "name", None) or "").split(".")[0]
+            if isinstance(e, ModuleNotFoundError) and package not in OPTIONAL:
+                raise
             line = str(e).splitlines()[0] if str(e) else type(e).__name__
-            Console(stderr=True).print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+            if isinstance(e, ModuleNotFoundError):
+                line = f"this command needs {package}, which is not installed: {OPTIONAL[package]}"
+            Console(stderr=True).print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=2) from None
 
     return wrapper
