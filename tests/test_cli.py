@@ -112,12 +112,12 @@ def test_commands_without_triton_are_one_line_errors_or_work(args):
 
 
 def test_bench_decode_cases_parse_into_context_batch_pairs():
-    from longctx.cli.bench import _pairs
+    from longctx.cli.bench import parse_cases
 
-    assert _pairs("4k:1, 128k:1,512k:1,32k:8") == [(4096, 1), (131072, 1), (524288, 1), (32768, 8)]
+    assert parse_cases("4k:1, 128k:1,512k:1,32k:8") == [(4096, 1), (131072, 1), (524288, 1), (32768, 8)]
     for bad in ("4k", "4k:", ":8", "4k:1,", "4k:1:2"):
         with pytest.raises(ValueError, match="bad case|bad size"):
-            _pairs(bad)
+            parse_cases(bad)
 
 
 def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeypatch):
@@ -576,7 +576,7 @@ def test_bench_decode_cli_shows_why_a_row_has_no_time(monkeypatch, tmp_path):
 
     import longctx.bench as bench
 
-    _fake_gpu(monkeypatch, bench._SLACK + 100 * 1024**2)
+    _fake_gpu(monkeypatch, bench.SLACK + 100 * 1024**2)
     monkeypatch.setattr(bench, "bench_decode", functools.partial(bench.bench_decode, device="cpu"))
     out = tmp_path / "rows.json"
     r = runner80.invoke(app, ["bench", "decode", "--cases", "1k:1,1024k:1", "--formats", "int8", "--shape", "smollm2-135m", "--graph", "--json", str(out)])

@@ -85,7 +85,7 @@ def test_config_yaml_builds_the_same_config_again(tmp_path):
 
 
 def test_kv_presets_are_the_named_formats():
-    from longctx.bench import _config
+    from longctx.bench import format_config
     from longctx.config import kv_preset, kv_preset_names
 
     assert kv_preset_names() == ["bf16", "int8", "k8v4", "int4", "int4+rot", "int2+rot"]
@@ -95,4 +95,4 @@ def test_kv_presets_are_the_named_formats():
     with pytest.raises(ValueError, match="unknown format 'int3'; choose from bf16, int8"):
         kv_preset("int3")
     # the benches take them at their block size, and "int2" as int2+rot
-    assert _config("int2", 64) == _config("int2+rot", 64) == KVConfig(bits=2, rotate=True, block_size=64)
+    assert format_config("int2", 64) == format_config("int2+rot", 64) == KVConfig(bits=2, rotate=True, block_size=64)

@@ -89,8 +89,8 @@ def main() -> None:
         check()
         return
     from longctx.bench.common import copies_for, bench_setup, time_graph
-    from longctx.bench.decode import _dense_bytes, _sizes, bench_decode, decode_cases
-    from longctx.cli.bench import _pairs
+    from longctx.bench.decode import dense_bytes_of, pages_bytes, bench_decode, decode_cases
+    from longctx.cli.bench import parse_cases
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -126,9 +126,9 @@ def main() -> None:
         return done[nbytes]
 
     lines = []
-    for T, B in decode_cases(cases=_pairs(a.cases)):
-        i4_bytes, _ = _sizes(B, T, H, D, cfgs["int4"])
-        bf_bytes = _dense_bytes(B, T, H, D)
+    for T, B in decode_cases(cases=parse_cases(a.cases)):
+        i4_bytes, _ = pages_bytes(B, T, H, D, cfgs["int4"])
+        bf_bytes = dense_bytes_of(B, T, H, D)
         r4, how4 = fastest(i4_bytes)
         rb, howb = fastest(bf_bytes)
         rows = bench_decode(cases=[(T, B)], formats=("int4",), graph=True)

@@ -47,12 +47,12 @@ def _error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[0][:80]}" if first else type(e).__name__
 
 
-def _dense_bytes(B: int, T: int, H: int, D: int) -> int:
+def dense_bytes_of(B: int, T: int, H: int, D: int) -> int:
     """Bytes of dense bf16 K and V: what SDPA reads a step, and what dequantizing all allocates."""
     return 2 * B * T * H * D * 2
 
 
-def _sizes(B: int, T: int, H: int, D: int, cfg: KVConfig) -> tuple[int, int]:
+def pages_bytes(B: int, T: int, H: int, D: int, cfg: KVConfig) -> tuple[int, int]:
     """(bytes a step reads, bytes a copy holds) of the bench's view in `cfg`, from a view on the
     "meta" device: known before a copy is drawn."""
     sized = synthetic_view(B, T, H, D, cfg, "meta")
@@ -122,7 +122,7 @@ def bench_decode(
     for T, B in pairs:
         q = torch.randn(B, Hq, 1, D, device=device, dtype=torch.bfloat16)
         case: list[DecodeRow] = []
-        dense_bytes = _dense_bytes(B, T, H, D)
+        dense_bytes = dense_bytes_of(B, T, H, D)
         if peers:
             case.append(_sdpa_row(q, T, B, H, D, timer, reps))
             if not graph:
@@ -130,7 +130,7 @@ def bench_decode(
             if torch.device(device).type == "cuda" and flash_available():
                 case.append(_flash_attn_row(q, T, B, H, D, timer, reps))
         for name, cfg in cfgs.items():
-            label, (kv_bytes, copy_bytes) = f"longctx {cfg.describe()}", _sizes(B, T, H, D, cfg)
+            label, (kv_bytes, copy_bytes) = f"longctx {cfg.describe()}", pages_bytes(B, T, H, D, cfg)
             deq = "dequantize-all then SDPA (int4)" if peers and name == "int4" else None
             free = free_bytes(device)
             L = fit_copies(copy_bytes, free)
@@ -175,7 +175,7 @@ def _sdpa_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> DecodeRow:
     """The SDPA dense bf16 peer (PyTorch's flash kernel over dense K/V), the rows' base."""
     import torch.nn.functional as F
 
-    name, dense_bytes = "SDPA dense bf16", _dense_bytes(B, T, H, D)
+    name, dense_bytes = "SDPA dense bf16", dense_bytes_of(B, T, H, D)
     L = fit_copies(dense_bytes, free := free_bytes(q.device))
     if not L:
         return DecodeRow(name, T, B, float("nan"), dense_bytes, note=no_room(dense_bytes, free))
@@ -213,7 +213,7 @@ def _flash_attn_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> Deco
     through a block table (`flash_attn_pages`): flash-attn's own paged decode, not the `flash`
     backend (which stages quantized pages for it). A flash-attn that fails to import or to run
     is reported in the row's note (time nan), not raised."""
-    name, dense_bytes = "flash-attn paged bf16", _dense_bytes(B, T, H, D)
+    name, dense_bytes = "flash-attn paged bf16", dense_bytes_of(B, T, H, D)
     copy_bytes = 2 * B * -(-T // FLASH_ATTN_PAGE) * FLASH_ATTN_PAGE * H * D * 2
     L = fit_copies(copy_bytes, free := free_bytes(q.device))
     if not L:
@@ -237,7 +237,7 @@ def _flex_row(q, B: int, T: int, H: int, D: int, block_size: int, reps: int) -> 
     from ..ops.paged_attention import paged_attention
 
     name, cfg = "FlexAttention paged bf16", KVConfig(bits=16, block_size=block_size)
-    kv_bytes, copy_bytes = _sizes(B, T, H, D, cfg)
+    kv_bytes, copy_bytes = pages_bytes(B, T, H, D, cfg)
     L = fit_copies(copy_bytes, free := free_bytes(q.device))
     if not L:
         return DecodeRow(name, T, B, float("nan"), kv_bytes, note=no_room(copy_bytes, free))

@@ -20,7 +20,7 @@ def _names(text: str) -> list[str]:
     return [f.strip() for f in text.split(",")]
 
 
-def _sizes(text: str) -> list[int]:
+def parse_sizes(text: str) -> list[int]:
     out = []
     for part in text.split(","):
         p = part.strip().lower()
@@ -43,14 +43,14 @@ def _print_bench_config(bench: str, formats: str, block_size: int = 64, shape: s
                  formats={name: cfg.resolve(dims["layers"], dims["head_dim"]) for name, cfg in cfgs.items()}, **rest)
 
 
-def _pairs(text: str) -> list[tuple[int, int]]:
+def parse_cases(text: str) -> list[tuple[int, int]]:
     """"128k:1, 32k:8" -> [(131072, 1), (32768, 8)]."""
     out = []
     for part in text.split(","):
         context, sep, batch = part.partition(":")
         if not sep or not context.strip() or not batch.strip():
             raise ValueError(f"bad case {part.strip()!r}: use CONTEXT:BATCH like 128k:1")
-        out.append((_sizes(context)[0], _sizes(batch)[0]))
+        out.append((parse_sizes(context)[0], parse_sizes(batch)[0]))
     return out
 
 
@@ -76,8 +76,8 @@ def decode(
 
     if cases is not None and (contexts is not None or batch is not None):
         raise ValueError("give --cases or --contexts/--batch, not both")
-    pairs = decode_cases(_sizes("4k,32k,128k,512k" if contexts is None else contexts), _sizes("1" if batch is None else batch),
-                         _pairs(cases) if cases is not None else None)
+    pairs = decode_cases(parse_sizes("4k,32k,128k,512k" if contexts is None else contexts), parse_sizes("1" if batch is None else batch),
+                         parse_cases(cases) if cases is not None else None)
     if plot is not None:
         _need_matplotlib()
     if show_config:
@@ -162,8 +162,8 @@ def prefill(
     from ..bench import bench_prefill
 
     if show_config:
-        return _print_bench_config("prefill", formats, block_size, shape, contexts=_sizes(contexts), chunks=_sizes(chunks), paths=_names(paths))
-    rows = bench_prefill(_sizes(contexts), _sizes(chunks), _names(formats), shape, block_size, paths=_names(paths))
+        return _print_bench_config("prefill", formats, block_size, shape, contexts=parse_sizes(contexts), chunks=parse_sizes(chunks), paths=_names(paths))
+    rows = bench_prefill(parse_sizes(contexts), parse_sizes(chunks), _names(formats), shape, block_size, paths=_names(paths))
     show_table(f"Prefill chunk per layer ({shape}), median", ("kernel", "context", "chunk", "ms", "tokens/s", "vs SDPA bf16"),
                [(r.name, f"{r.context:,}", f"{r.chunk:,}", f"{r.ms:.3f}", f"{r.tok_per_s:,.0f}", f"{r.ratio_to_sdpa:.2f}x") for r in rows],
                left=("kernel",))
@@ -193,9 +193,9 @@ def seal(
     from ..bench import SHAPES, bench_seal
 
     if show_config:
-        return _print_bench_config("seal", formats, block_size, shape, context=_sizes(context)[0],
+        return _print_bench_config("seal", formats, block_size, shape, context=parse_sizes(context)[0],
                                    layers=SHAPES[shape]["layers"] if layers is None and shape in SHAPES else layers)
-    rows = bench_seal(_sizes(context)[0], _names(formats), shape, block_size=block_size, layers=layers)
+    rows = bench_seal(parse_sizes(context)[0], _names(formats), shape, block_size=block_size, layers=layers)
     L = rows[0].layers if rows else layers
     show_table(f"Decode step ({shape}, {L} layers): append + attend, with one seal every {block_size} steps",
                ("format", "context", "attend ms", "step ms (no seal)", "sealing step ms", "sealing adds", "appending adds"),
@@ -232,7 +232,7 @@ def e2e(
     from ..bench import bench_e2e
 
     if show_config:
-        return _print_bench_config("e2e", formats, shape_layers=layers, context=_sizes(context)[0], new_tokens=new_tokens, chunk=chunk, graphs=graphs,
+        return _print_bench_config("e2e", formats, shape_layers=layers, context=parse_sizes(context)[0], new_tokens=new_tokens, chunk=chunk, graphs=graphs,
                                    compiled=compiled)
     console = Console()
 
@@ -240,7 +240,7 @@ def e2e(
         figures = f"prefill {r.prefill_s:.1f} s, decode {r.decode_ms_per_token:.1f} ms/token" if not r.note else r.note
         console.print(f"  {r.name}: {figures}, peak {r.peak_gib:.1f} GiB", highlight=False, soft_wrap=True)
 
-    rows = bench_e2e(_sizes(context)[0], _names(formats), new_tokens, chunk, layers, graphs=graphs, compiled=compiled, progress=show)
+    rows = bench_e2e(parse_sizes(context)[0], _names(formats), new_tokens, chunk, layers, graphs=graphs, compiled=compiled, progress=show)
     notes = any(r.note for r in rows)  # a cache that ran out of GPU memory, and where
     show_table(f"End to end, Llama-3-8B shape, {layers} layers, bf16 weights, batch 1",
                ("cache", "context", "prefill s", "decode ms/token", "decode tok/s", "peak GiB", "decode vs Dynamic", "prefill vs Dynamic",
