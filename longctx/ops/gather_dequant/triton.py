@@ -7,8 +7,8 @@ Hadamard matrix's signs, one sub-tile of channels at a time (rows r, r+PER, ... 
 packed channels are never interleaved in registers. That dot runs on fp16 tensor cores at
 fp32's accuracy (`rotation.dot_signs`: the tile's values, scaled by a power of two into fp16's
 range, as an fp16 head and tail times the exact +-1 signs, with fp32 sums; 1/sqrt(D) and the
-power of two are taken back out at the end). An "ieee" fp32 dot ran as FMAs, ~50,000
-sm_90 instructions a program (docs/kernels.md). The output may be a slice of a
+power of two are taken back out at the end; an "ieee" fp32 dot runs as FMAs, ~50,000
+sm_90 instructions a program). The output may be a slice of a
 larger staging buffer (prefill writes the past and then the tail into one buffer), or a
 permuted view of one laid out token-major ([B, T, H, D], as flash-attn's pages are). With a
 shift per row, row b's token t lands at position t - shift[b] and tokens t < shift[b] are not
@@ -85,10 +85,9 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
             tl.store(OUT + out_rows + offs_d[None, :], (acc * (INV_SQRT_D / up)).to(OUT.dtype.element_ty), mask=keep)
         else:
             # the codes of the whole page in channel order (sub-tile r holds channels PER*i + r),
-            # so that the scales load and the output stores along D, 16 bytes a lane. Stored a
-            # sub-tile at a time, at a stride of PER channels, triton 3.6 laid the stores out
-            # along tokens (a 2-byte store a lane, a row apart): on the H200, the bench's
-            # dequantize-all then SDPA at 128k took 4.12 ms, against 0.337 now
+            # so that the scales load and the output stores along D, 16 bytes a lane (a
+            # sub-tile stored at a stride of PER channels gets 2-byte stores along tokens from
+            # triton 3.6: 12x slower on the H200)
             code = _code_f32(x, 0, BITS)
             if PER == 2:
                 code = tl.reshape(tl.join(code, _code_f32(x, 1, BITS)), (P, D))
