@@ -35,8 +35,11 @@ stage() {
   grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -20; tail -"${TAIL:-30}" "$OUT/$name.log"
 }
 DECODE=(-m longctx bench decode --graph --cases 4k:1,128k:1,512k:1,32k:8 --formats int4,int8,bf16,int2)
+# the tests' time is mostly Triton compiling kernel variants on the CPU: spread over WORKERS
+# processes (pytest-xdist, in the device image; 1: one process)
+XDIST=(); python3 -c "import xdist" 2>/dev/null && [ "${WORKERS:-12}" != 1 ] && XDIST=(-n "${WORKERS:-12}")
 # shellcheck disable=SC2086
-TAIL=4 stage tests 480 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/ops tests/test_cuda.py tests/test_transformers.py}
+TAIL=4 stage tests 540 python3 -m pytest -q -p no:cacheprovider "${XDIST[@]}" ${TESTS:-tests/ops tests/test_cuda.py tests/test_transformers.py}
 if [ -n "${BASE:-}" ] && want_stage decode; then  # the same bench from BASE's package (a tree carried as BASE/longctx) first
   STAGES+=(decode_base)
   PYTHONPATH=$PWD/$BASE TAIL=14 stage decode_base 280 python3 "${DECODE[@]}" --json "$OUT/decode_base.json"
