@@ -8,8 +8,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-
 # Layout: a byte of int4 codes holds channels 2i (low nibble) and 2i+1; of int2 codes,
 # channels 4i..4i+3. Rather than interleaving unpacked codes back into [P, D] (a layout
 # change that miscompiled as a tensor-core operand on triton 3.6), the kernel works on
@@ -18,7 +16,7 @@ import triton.language as tl
 # written back to its strided channels at the end. 8- and 16-bit sides use PER = 1.
 #
 # Codes become floats without int->float conversion instructions (a quarter-rate unit on
-# recent GPUs, and the bound of the first kernels): OR-ing a code c < 2^10 into the bits of
+# recent GPUs): OR-ing a code c < 2^10 into the bits of
 # fp16 1024.0 gives the fp16 1024 + c exactly; into fp32 2^23, the fp32 2^23 + c. The fp16
 # form goes straight into tensor-core dots, its 1024 offset folded into the zero-point term.
 # The "tiny" form takes no OR at all: a code c < 2^10 as the bits of an fp16 is the subnormal
