@@ -59,7 +59,9 @@ def test_known_errors_are_one_line_with_exit_code_2():
              ["bench", "e2e", "--formats", "int5"], ["bench", "prefill", "--formats", "int5"], ["bench", "prefill", "--paths", "fast"],
              ["bench", "prefill", "--chunks", "1"], ["bench", "seal", "--formats", "int5"], ["bench", "seal", "--layers", "0"],
              ["bench", "seal", "--context", "0"], ["bench", "e2e", "--context", "0"], ["bench", "e2e", "--chunk", "0"],
-             ["bench", "e2e", "--new-tokens", "0"], ["bench", "e2e", "--layers", "0"], ["bench", "prefill", "--contexts", "0"]]
+             ["bench", "e2e", "--new-tokens", "0"], ["bench", "e2e", "--layers", "0"], ["bench", "prefill", "--contexts", "0"],
+             ["bench", "plan"], ["bench", "plan", "--weights-bits", "8"], ["bench", "plan", "--format", "k8v4"], ["bench", "plan", "--chunk", "0"],
+             ["bench", "plan", "--budget-gib", "0"], ["bench", "plan", "--model", "llama-9"]]
     if not has_quanto():
         cases.append(["eval", "quality", "--quanto"])  # before the model loads or any format runs
     for args in cases:
@@ -72,6 +74,8 @@ def test_known_errors_are_one_line_with_exit_code_2():
             assert f"{args[2][2:].replace('-', '_')} must be at least 1, got 0" in line, line
         if args[:3] == ["bench", "prefill", "--contexts"]:
             assert "contexts must be at least 1 token" in line, line
+        if args == ["bench", "plan"]:  # the options are good: this machine has no GPU
+            assert "needs a CUDA GPU" in line, line
 
 
 HIDE_TRITON = """
@@ -94,7 +98,7 @@ main(sys.argv[1:])
 
 
 @pytest.mark.parametrize("args", [["bench", "decode", "--contexts", "4k"], ["bench", "prefill", "--contexts", "4k", "--chunks", "512"],
-                                  ["bench", "seal", "--context", "4k"], ["bench", "e2e", "--context", "4k"], ["info"],
+                                  ["bench", "seal", "--context", "4k"], ["bench", "e2e", "--context", "4k"], ["bench", "plan"], ["info"],
                                   ["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090"], ["eval", "quality", "--print-config"]],
                          ids=lambda a: "-".join(a[:2]))
 def test_commands_without_triton_are_one_line_errors_or_work(args):

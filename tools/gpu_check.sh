@@ -5,7 +5,7 @@
 #   bash tools/gpu_check.sh tests                 # the GPU test files (kernels vs reference and fp64, graphs, transformers)
 #   bash tools/gpu_check.sh decode                # the decode bench's rows: 4k, 128k, 512k at batch 1 and 32k at batch 8
 #   BASE=.baseline bash tools/gpu_check.sh decode # the same bench from another tree's package first (carry it), then this one
-#   bash tools/gpu_check.sh prefill seal e2e      # the other benches
+#   bash tools/gpu_check.sh prefill seal e2e plan # the other benches (plan: longctx plan against a measured peak in 24 GiB)
 #   bash tools/gpu_check.sh floor                 # the fastest plain read of a decode step's bytes (tools/read_floor.py)
 #   FLASH_TAR=.flash/flash-attn-2.8.3.post2-sm90.tar.xz bash tools/gpu_check.sh flash   # with flash-attn (tools/pack_flash_attn.sh)
 #   TRITON_TAR=.triton/triton-3.8.0.tar.xz bash tools/gpu_check.sh tests                 # on a carried Triton (tools/pack_triton.sh)
@@ -49,4 +49,5 @@ TAIL=24 stage prefill 200 python3 -m longctx bench prefill --contexts 32k,128k -
 TAIL=12 stage seal 90 python3 -m longctx bench seal --context 128k --formats int4,int8
 TAIL=14 stage e2e 420 python3 -m longctx bench e2e --context 128k --formats int4 --json "$OUT/e2e.json"
 TAIL=16 stage floor 420 python3 tools/read_floor.py
+TAIL=8 stage plan 400 python3 -m longctx bench plan --budget-gib 24 --json "$OUT/plan.json"
 TAIL=8 stage flash 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/ops/test_paged_attention.py tests/test_cli.py -k "flash or bench_decode or info"

@@ -250,3 +250,40 @@ def e2e(
                  _fig(r.seal_pct, "+.2f", " %"), _fig(r.compile_s, ".0f"), *((r.note,) if notes else ())) for r in rows],
                left=("cache", "note"), console=console)
     _write_json(as_json, rows)
+
+
+@app.command("plan")
+def plan_check(
+    model: str = typer.Option("llama-3.1-8b", help="a catalog model (longctx plan's); a random model of its shape is measured"),
+    kv_format: str = typer.Option("int4", "--format", help="KV format: bf16, int8, int4 or int2+rot (plan's, blocks of 64 tokens)"),
+    weights_bits: int = typer.Option(16, help="16 (bf16) or 4 (bitsandbytes NF4, needs bitsandbytes)"),
+    budget_gib: float = typer.Option(None, help="GPU memory to plan for and cap the process at, GiB (default: the whole GPU)"),
+    chunk: int = typer.Option(2048, help="prefill chunk (tokens), as plan assumes"),
+    decode: int = typer.Option(8, help="tokens decoded after the prompt"),
+    max_tokens: int = typer.Option(None, help="prefill at most this many tokens (a shorter run; plan's prediction follows)"),
+    as_json: Path = typer.Option(None, "--json", help="also write the row as JSON to this file"),
+    show_config: bool = print_config_option(),
+) -> None:
+    """`longctx plan` against a measured peak on this GPU: the context plan says fits the budget,
+    prefilled and decoded through a random model of the catalog model's shape, the process
+    capped at the budget; plan's weights + KV + activations beside the allocator's peak.
+
+    Example: longctx bench plan --weights-bits 4 --budget-gib 24
+    """
+    from ..bench.plan import bench_plan, check_plan_options
+
+    check_plan_options(kv_format, weights_bits, budget_gib, chunk, decode, max_tokens)
+    if show_config:
+        return print_config(bench="plan", model=model, format=kv_format, weights_bits=weights_bits, budget_gib=budget_gib, chunk=chunk,
+                            decode=decode, max_tokens=max_tokens)
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("prefill", total=None)
+        r = bench_plan(model, kv_format, weights_bits, budget_gib, chunk, decode, max_tokens,
+                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+    show_table(f"plan against the measured peak: {r.model}, {r.weights_bits}-bit weights, {r.format} KV, {r.budget_gib:.1f} GiB",
+               ("tokens", "planned tokens", "predicted GiB", "peak GiB", "peak / predicted", "weights GiB (plan / measured)", "seconds", "note"),
+               [(f"{r.tokens:,}", f"{r.planned_tokens:,}", f"{r.predicted_gib:.2f}", f"{r.peak_gib:.2f}", f"{r.peak_over_predicted:.3f}",
+                 f"{r.weights_predicted_gib:.2f} / {r.weights_measured_gib:.2f}", f"{r.seconds:.0f}", r.note or "fits")], left=("note",))
+    _write_json(as_json, [r])
