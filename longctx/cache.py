@@ -372,6 +372,9 @@ class PagedKVCache:
         if rest:
             self.tail_k[:, :, :, :rest] = self.tail_k[:, :, :, n * P : T0].clone()
             self.tail_v[:, :, :, :rest] = self.tail_v[:, :, :, n * P : T0].clone()
+        if self.tail_k.shape[3] > P:  # a long append's room goes back: between forwards the tails hold under a block
+            self.tail_k = self.tail_k[:, :, :, :P].clone()
+            self.tail_v = self.tail_v[:, :, :, :P].clone()
         self.tail_len = [rest] * self.num_layers
         self.seals += n_sink_new + n_quant_new
         old, self._table_tensor = self._table_tensor, None

@@ -161,6 +161,25 @@ def test_int4_generation_runs_and_reports(model):
     assert report.bytes_by_kind["codes"] > 0 and report.blocks["quantized"] > 0
 
 
+def test_tails_return_to_a_block_after_a_long_generate_prompt(model):
+    """generate() runs a prompt in one forward, which appends the whole prompt's K/V to the
+    tails of every layer; once sealed, the tails hold (and reserve) less than a block again,
+    instead of the prompt's bf16 copy beside its pages."""
+    ids = torch.randint(3, 128, (1, 1500), generator=torch.Generator().manual_seed(1))
+    cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+    try:
+        with torch.no_grad():
+            model.generate(input_ids=ids, do_sample=False, max_new_tokens=3, pad_token_id=0, **cache_kwargs(model, cache))
+    finally:
+        cache.detach()
+    paged = cache.paged
+    assert paged.tail_k.shape[3] <= 16 and paged.tail_v.shape[3] <= 16, tuple(paged.tail_k.shape)
+    assert cache.memory_report().tokens == 1502
+    # what the tails reserve: a block a layer and row, against the 1,500 prompt tokens they held
+    tail_reserved = sum(t.numel() * t.element_size() for t in (paged.tail_k, paged.tail_v))
+    assert tail_reserved == 2 * paged.num_layers * paged.num_kv_heads * 16 * paged.head_dim * paged.tail_k.element_size()
+
+
 def test_start_offsets_left_padding_only():
     m = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     assert start_offsets(m, 4).tolist() == [2, 0]
