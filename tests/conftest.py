@@ -10,6 +10,16 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
+# converted GGUF models are kept for the session in a folder of its own, not the user's cache
+# (the first load converts, the others read the copy)
+if "LONGCTX_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["LONGCTX_CACHE"] = tempfile.mkdtemp(prefix="longctx-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["LONGCTX_CACHE"], True)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -172,6 +172,64 @@ def test_passkey_int4_finds_every_key_exact_finds(smol, capsys):
         assert b.found or not a.found, f"int4 missed the key at depth {a.depth}"
 
 
+def test_a_gguf_converts_once_then_loads_its_kept_copy(smol, tmp_path, monkeypatch):
+    """The first load of a GGUF keeps a converted copy (config, safetensors, tokenizer) under the
+    cache directory, keyed by the file's hash; the next load reads it without touching the GGUF
+    reader, and gives the same model and tokenizer."""
+    from longctx import gguf_files
+    from longctx.models import embedded_gguf
+
+    monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path))
+    first, tok1 = load_model(device="cpu")
+    kept = gguf_files.converted_copy(embedded_gguf())
+    assert kept is not None and kept.parent.parent == tmp_path and (kept / "model.safetensors").is_file()
+    assert not list(kept.parent.glob("*.tmp*"))  # (renamed when complete)
+
+    def no_gguf(*a, **k):
+        raise AssertionError("the GGUF was read again")
+
+    monkeypatch.setattr(gguf_files, "check_gguf", no_gguf)
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", no_gguf)
+    second, tok2 = load_model(device="cpu")
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok1.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    assert torch.equal(ids, tok2.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"])
+    with torch.no_grad():
+        assert torch.equal(first(ids).logits, second(ids).logits)
+    assert (tok2.padding_side, tok2.pad_token) == (tok1.padding_side, tok1.pad_token)
+
+
+@pytest.mark.parametrize("damage, says", [("first1000", "truncated or corrupt: its header needs"), ("cut3MB", "is truncated: its header describes"),
+                                          ("cut50MB", "is truncated"), ("cut97MB", "is truncated"), ("header", "holds a value of type 4278190088")])
+def test_a_damaged_gguf_is_one_line(damage, says, tmp_path):
+    """The embedded GGUF cut at several points, or with a corrupted header: every model command
+    says in one line that the file is truncated or corrupt and what was expected (the size the
+    header describes against the file's, and the first tensor cut; or the bad value and where)."""
+    from typer.testing import CliRunner
+
+    from longctx.cli import app
+    from longctx.models import embedded_gguf
+
+    data = embedded_gguf().read_bytes()
+    cut = {"first1000": 1000, "cut3MB": 3_000_000, "cut50MB": 50_000_000, "cut97MB": 97_000_000}
+    if damage in cut:
+        data = data[: cut[damage]]
+    else:  # the first metadata value's type, after the magic, version, counts and the first key
+        at = 32 + int.from_bytes(data[24:32], "little")
+        data = data[:at] + (0xFF000008).to_bytes(4, "little") + data[at + 4 :]
+    path = tmp_path / "model.gguf"
+    path.write_bytes(data)
+    for args in (["chat", "--model", str(path), "--prompt", "hi"], ["eval", "quality", "--model", str(path)]):
+        r = CliRunner().invoke(app, args)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: model.gguf is"), (args, r.stderr[-2000:])
+        assert says in lines[0], lines[0]
+        if damage.startswith("cut"):
+            assert f"the file has {len(data):,}" in lines[0] and "tensor '" in lines[0], lines[0]
+
+
 def test_load_model_errors(monkeypatch, tmp_path):
     with pytest.raises(ModelNotFoundError, match="no GGUF file at"):
         load_model(str(tmp_path / "missing.gguf"))
