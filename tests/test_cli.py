@@ -403,6 +403,38 @@ def test_eval_passkey_table_json_and_what_it_says_of_the_prompt(reuse_model, mon
     assert all(row["found"] == (row["key"] in row["answer"]) and row["depth"] == 0.5 for row in rows)
 
 
+def test_files_and_options_are_checked_before_any_model_loads(tmp_path, monkeypatch):
+    """`--file` and `--text` that are empty, binary, not UTF-8 or a directory, and option values
+    no run could use, are one-line errors that say which, before a model is loaded."""
+    import longctx.models
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(longctx.models, "load_model", no_model)
+    empty, blank, binary, latin = (tmp_path / n for n in ("empty.txt", "blank.txt", "binary.bin", "latin.txt"))
+    empty.write_bytes(b"")
+    blank.write_bytes(b"  \n\n ")
+    binary.write_bytes(bytes(range(256)) * 80)  # 20 KB with NUL bytes
+    latin.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    cases = []
+    for option, command in (("--file", ["chat", "--prompt", "hi"]), ("--text", ["eval", "quality"])):
+        cases += [(command + [option, str(empty)], f"{option} {empty} is empty"),
+                  (command + [option, str(blank)], "is empty (white space only)"),
+                  (command + [option, str(binary)], "is not text: it holds NUL bytes"),
+                  (command + [option, str(latin)], "is not UTF-8 text (invalid continuation byte at byte 3)"),
+                  (command + [option, str(tmp_path)], f"{option} {tmp_path} is a directory"),
+                  (command + [option, str(tmp_path / "missing.txt")], "no such file")]
+    cases += [(["chat", "--prompt", "hi", "--chunk", "0"], "--chunk must be at least 1, got 0"),
+              (["chat", "--prompt", "hi", "--temperature", "-1"], "--temperature must be at least 0"),
+              (["chat", "--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+              (["eval", "quality", "--chunk", "0"], "--chunk must be at least 1, got 0"),
+              (["eval", "passkey", "--tokens", "-5"], "--tokens must be at least 1, got -5")]
+    for args, says in cases:
+        line = one_line_error(runner.invoke(app, args), args)
+        assert says in line, (args, line)
+
+
 def test_eval_quality_refuses_a_text_it_could_not_measure_on(tmp_path, reuse_model):
     short, binary, enough = tmp_path / "short.txt", tmp_path / "binary.txt", tmp_path / "enough.txt"
     short.write_text("Hello world.", encoding="utf-8")

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .options import print_config, print_config_option
+from .options import at_least, print_config, print_config_option, read_text_file
 
 HELP = """Commands: /stats (cache and speed), /reset (forget the conversation), /save FILE
 (transcript as Markdown), /help, /exit. Ctrl-C stops the current answer."""
@@ -74,8 +74,12 @@ def chat(
 
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
-    if file is not None and not file.is_file():
-        raise FileNotFoundError(f"--file: no such file {file}")
+    doc = read_text_file(file, "--file") if file is not None else None
+    at_least(chunk, 1, "--chunk")
+    at_least(max_new_tokens, 1, "--max-new-tokens")
+    at_least(temperature, 0, "--temperature")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
     if max_context is not None and max_context < 1:
         raise ValueError(f"--max-context must be a positive number of tokens, got {max_context}")
     # --max-context also sizes the page pools once (no doubling and copying as the chat grows)
@@ -90,8 +94,7 @@ def chat(
     out = Console(highlight=False)
     with err.status("loading model..."):
         mdl, tok = load_model(model, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, device=None if device == "auto" else device)
-    if file is not None:
-        doc = file.read_text(encoding="utf-8", errors="replace")
+    if doc is not None:
         system = ((system + "\n\n") if system else "") + f"Document ({file.name}):\n\n{doc}"
     session = ChatSession(mdl, tok, LongCtxCache(mdl, kv), system=system, chunk=chunk, max_context=max_context, graphs=graphs)
     gen = torch.Generator(device=mdl.device).manual_seed(seed)

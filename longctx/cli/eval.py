@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import kv_preset, kv_preset_names
-from .options import print_config, print_config_option
+from .options import at_least, print_config, print_config_option, read_text_file
 from .tables import show_table
 
 app = typer.Typer(help="Measure the quality of KV formats on a model.", no_args_is_help=True)
@@ -42,15 +42,11 @@ def quality(
 
     kv_specs = _formats(formats)
     specs = kv_specs + ([("HF quanto int4", quanto_cache(4))] if quanto else [])  # (checks optimum-quanto first)
-    if text is not None and not text.is_file():
-        raise FileNotFoundError(f"no text file at {text}")
+    body = read_text_file(text, "--text") if text is not None else None
+    at_least(chunk, 1, "--chunk")
     if show_config:  # group_size null: the model's head_dim sets it when the cache is built
         return print_config(eval="quality", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(kv_specs),
                             text=text, chunk=chunk, quanto=quanto, device=device)
-    try:
-        body = text.read_text(encoding="utf-8") if text else None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--text {text} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     console = Console(stderr=True)
     with console.status("loading model..."):
         mdl, tok = load_model(model, device=device)
@@ -101,6 +97,7 @@ def passkey_cmd(
         raise ValueError(f"--depths must be comma-separated numbers, got {depths!r}") from None
     if not all(0.0 <= d <= 1.0 for d in ds):
         raise ValueError(f"--depths must lie in [0, 1], got {depths!r}")
+    at_least(tokens, 1, "--tokens")
     if show_config:
         return print_config(eval="passkey", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(specs), tokens=tokens, depths=ds,
                             device=device)
