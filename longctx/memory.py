@@ -19,7 +19,7 @@ class MemoryReport:
     rows: int
     blocks: dict[str, int]  # physical blocks in use: {"sink": n, "quantized": n, "dense": n}
     bytes_by_kind: dict[str, int]  # codes, scales, dense_pages, sinks, tails
-    bytes_by_tier: dict[str, int]  # gpu, host (the "gpu" tier is the compute device's memory)
+    bytes_by_tier: dict[str, int]  # "device" (the compute device's memory: `device` names it) and "host"
     total_bytes: int
     reserved_bytes: int
     bytes_per_token: float  # total_bytes / (rows * tokens)
@@ -37,6 +37,21 @@ class MemoryReport:
         d["ratio_to_bf16"] = self.ratio_to_bf16
         return d
 
+    def __str__(self) -> str:
+        """A few readable lines: what is held, where, and what a token costs against bf16."""
+        if not self.tokens:
+            return f"KV cache ({self.format}, {self.layers} layers): empty"
+        kinds = ", ".join(f"{kind} {_mib(n)}" for kind, n in self.bytes_by_kind.items() if n)
+        tiers = ", ".join(f"{self.device if tier == 'device' else tier} {_mib(n)}" for tier, n in self.bytes_by_tier.items() if n)
+        return (f"KV cache ({self.format}, {self.layers} layers): {self.tokens:,} tokens x {self.rows} row{'s' * (self.rows != 1)}\n"
+                f"  blocks: {self.blocks['sink']} sink, {self.blocks['quantized']} quantized, {self.blocks['dense']} 16-bit\n"
+                f"  holds {_mib(self.total_bytes)} ({kinds}) on {tiers}; reserves {_mib(self.reserved_bytes)}\n"
+                f"  {self.bytes_per_token:,.0f} bytes a token, {self.ratio_to_bf16:.3f}x a bf16 cache's {self.bf16_bytes_per_token:,}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
 
 def memory_report(cache) -> MemoryReport:
     """Build the MemoryReport of a PagedKVCache as it stands (call cache.memory_report()
@@ -44,18 +59,18 @@ def memory_report(cache) -> MemoryReport:
     L, H, P, D = cache.num_layers, cache.num_kv_heads, cache.block_size, cache.head_dim
     bf16_bpt = L * 2 * H * D * 2
     if not cache.initialized:
-        return MemoryReport(0, 0, {"sink": 0, "quantized": 0, "dense": 0}, {}, {"gpu": 0, "host": 0}, 0, 0, 0.0, bf16_bpt, layers=L, format=cache.config.describe())
+        return MemoryReport(0, 0, {"sink": 0, "quantized": 0, "dense": 0}, {}, {"device": 0, "host": 0}, 0, 0, 0.0, bf16_bpt, layers=L, format=cache.config.describe())
     e = cache.formats[0].elem_bytes
     sink_ids, block_ids = cache.tables.unique_ids()
     kinds = {"codes": 0, "scales": 0, "dense_pages": 0, "sinks": 0, "tails": 0}
-    tiers = {"gpu": 0, "host": 0}
+    tiers = {"device": 0, "host": 0}  # (the allocator's "gpu" tier is the compute device's, whatever it is)
     per_block = {"codes": 0, "scales": 0, "dense": 0}  # one block id, summed over layers
     for fmt in cache.formats:
         for kind, n in fmt.block_bytes().items():
             per_block[kind] += n
     block_bytes = sum(per_block.values())
     for bid in block_ids:
-        tiers[cache.block_alloc.tier(bid)] += block_bytes
+        tiers["host" if cache.block_alloc.tier(bid) == "host" else "device"] += block_bytes
     kinds["codes"] = per_block["codes"] * len(block_ids)
     kinds["scales"] = per_block["scales"] * len(block_ids)
     kinds["dense_pages"] = per_block["dense"] * len(block_ids)
@@ -63,7 +78,7 @@ def memory_report(cache) -> MemoryReport:
     kinds["sinks"] = sink_bytes
     tail_bytes = cache.batch_size * L * 2 * H * min(cache.tail_len) * D * e
     kinds["tails"] = tail_bytes
-    tiers["gpu"] += sink_bytes + tail_bytes
+    tiers["device"] += sink_bytes + tail_bytes
     total = sum(kinds.values())
     reserved = sum(t.numel() * t.element_size() for p in cache.pages for t in p.tensors().values())
     reserved += sum(t.numel() * t.element_size() for t in (cache.sink_k, cache.sink_v, cache.tail_k, cache.tail_v))

@@ -281,6 +281,9 @@ def test_bytes_per_token_at_4096_tokens(bits, bound):
     assert r.tokens == 4096 and r.rows == 1
     assert r.bf16_bytes_per_token == 30 * 2 * 3 * 64 * 2
     assert r.total_bytes == sum(r.bytes_by_kind.values()) == sum(r.bytes_by_tier.values())
+    assert set(r.bytes_by_tier) == {"device", "host"} and r.device == "cpu"  # (tiers by role: this device is no GPU)
+    text = str(r)
+    assert text.startswith(f"KV cache ({r.format}, {r.layers} layers): {r.tokens:,} tokens") and "on cpu" in text and "x a bf16 cache" in text
     assert r.bytes_by_kind["sinks"] == 30 * 2 * 3 * 64 * 64 * 2  # one bf16 sink block
     assert r.ratio_to_bf16 <= bound, r.as_dict()
     assert r.reserved_bytes >= r.total_bytes

@@ -230,6 +230,21 @@ def test_a_damaged_gguf_is_one_line(damage, says, tmp_path):
             assert f"the file has {len(data):,}" in lines[0] and "tensor '" in lines[0], lines[0]
 
 
+def test_readme_quickstart_runs_and_shows_a_clean_answer_and_a_readable_report(smol, capsys):
+    """README's Python quickstart, run as written: an answer without special tokens, over a prompt
+    long enough that int4 pages hold it, and a readable memory report."""
+    import re
+    from pathlib import Path
+
+    code = re.findall(r"```python\n(.*?)```", (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8"), re.S)[0]
+    exec(compile(code, "README.md", "exec"), {})
+    answer, *report = capsys.readouterr().out.strip().splitlines()
+    assert answer.strip() and "<|" not in answer, answer
+    assert report[0].startswith("KV cache (int4, 30 layers):") and "quantized" in report[1] and "on cpu" in report[2], report
+    quantized = int(re.search(r"(\d+) quantized", report[1]).group(1))
+    assert quantized >= 10, report  # (the prompt fills pages: the int4 demo quantizes)
+
+
 def test_load_model_errors(monkeypatch, tmp_path):
     with pytest.raises(ModelNotFoundError, match="no GGUF file at"):
         load_model(str(tmp_path / "missing.gguf"))

@@ -27,7 +27,7 @@ def _stats_table(session) -> Table:
     for kind, n in report.bytes_by_kind.items():
         t.add_row(f"bytes: {kind}", f"{n:,}")
     for tier, n in report.bytes_by_tier.items():
-        t.add_row(f"bytes on {tier}", f"{n:,}")
+        t.add_row(f"bytes on {report.device if tier == 'device' else tier}", f"{n:,}")
     t.add_row("bytes/token (vs bf16)", f"{report.bytes_per_token:,.0f} ({report.ratio_to_bf16:.3f}x)" if report.tokens else "-")
     s = session.last
     t.add_row("last turn prefill", f"{s.prompt_tokens} tokens, {s.prefill_tok_s:,.1f} tok/s")
