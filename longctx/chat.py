@@ -80,6 +80,7 @@ class ChatSession:
         self.messages = [m for m in self.messages if m["role"] == "system"]
         self.cache.reset()
         self.cached_ids = []
+        self.last = GenerationStats()  # (/stats shows no figures of a turn that is gone)
 
     def _render(self, generation_prompt: bool = True) -> list[int]:
         ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=generation_prompt, tokenize=True)

@@ -137,8 +137,10 @@ def gpu_memory(name: str | None, mem: str | None) -> tuple[str, float]:
 
 
 def parse_size_gib(text: str) -> float:
+    """GiB in a memory size: '22.5GiB' or '24576MiB' (powers of two), '24GB' or '24000MB'
+    (powers of ten, as card makers count: 24GB is 22.35 GiB), or a bare number of GiB."""
     t = text.strip().lower().replace(" ", "")
-    for suffix, mult in (("gib", 1.0), ("gb", 1.0), ("g", 1.0), ("mib", 1 / 1024), ("mb", 1 / 1024)):
+    for suffix, mult in (("gib", 1.0), ("mib", 1 / 1024), ("gb", 1e9 / GIB), ("mb", 1e6 / GIB), ("g", 1.0)):
         if t.endswith(suffix):
             t, m = t[: -len(suffix)], mult
             break
@@ -147,7 +149,7 @@ def parse_size_gib(text: str) -> float:
     try:
         value = float(t) * m
     except ValueError:
-        raise ValueError(f"bad memory size {text!r}: use a number of GiB such as 24, 24GB or 22.5GiB") from None
+        raise ValueError(f"bad memory size {text!r}: use a size such as 22.5GiB, 24GB (10^9 bytes) or a number of GiB") from None
     if value <= 0:
         raise ValueError(f"memory size must be positive, got {text!r}")
     return value

@@ -181,7 +181,7 @@ def test_plan_table_and_json_match_the_library():
     for row in lib.rows:
         assert f"{row.max_tokens:,}" in r.stdout and f"{row.max_tokens_offload:,}" in r.stdout and row.format in r.stdout
     assert "fragmentation reserve" in r.stdout and "not what runs today" in r.stdout
-    j = runner.invoke(app, ["plan", "--model", "smollm2-135m", "--gpu-mem", "4GB", "--kv-bits", "16", "--json"])
+    j = runner.invoke(app, ["plan", "--model", "smollm2-135m", "--gpu-mem", "4GiB", "--kv-bits", "16", "--json"])
     data = json.loads(j.stdout)
     assert data["rows"][0]["max_tokens"] == 124_884  # the case computed by hand in tests/test_plan.py
     assert data["budget"]["for_kv"] == 3_005_882_548
@@ -191,6 +191,7 @@ def test_plan_bad_inputs_are_one_line_errors(tmp_path):
     cases = {("plan", "--model", "lama-3.1-8b"): "did you mean llama-3.1-8b", ("plan", "--gpu", "rtx4090"): "did you mean rtx-4090",
              ("plan", "--kv-bits", "3"): "16, 8, 4 or 2", ("plan", "--kv-bits", "four"): "bad --kv-bits",
              ("plan", "--weights-bits", "2"): "--weights-bits", ("plan", "--gpu-mem", "lots"): "bad memory size",
+             ("plan", "--gpu", "rtx-4090", "--gpu-mem", "12GB"): "give --gpu (a catalog card, 'rtx-4090') or --gpu-mem",
              ("plan", "--model", str(tmp_path / "missing")): "no model directory"}
     for args, expect in cases.items():
         assert expect in one_line_error(runner.invoke(app, list(args)), args)
@@ -241,14 +242,15 @@ def test_plan_says_why_no_context_fits_and_what_to_try():
     def cells(out, fmt):
         return [c.strip() for c in next(line for line in out.splitlines() if line.startswith(f"│ {fmt} ")).split("│")[1:-1]]
 
-    fits = runner.invoke(app, ["plan", "--gpu-mem", "24GB"])
+    fits = runner.invoke(app, ["plan", "--gpu-mem", "24GiB"])
     assert fits.exit_code == 0 and "No context fits" not in fits.stdout and "To size the cache" in fits.stdout
     for bits, fix in ((16, "--weights-bits 4"), (4, "a smaller model or a larger GPU")):
-        r = runner.invoke(app, ["plan", "--gpu-mem", "3GB", "--weights-bits", str(bits)])
+        r = runner.invoke(app, ["plan", "--gpu-mem", "3GiB", "--weights-bits", str(bits)])
         assert r.exit_code == 0, r.output
         text = " ".join(r.stdout.split())
         assert "No context fits: the weights (" in text and "take more than the 3 GiB budget" in text and fix in text, text
         assert "To size the cache" not in text and ("--weights-bits 4" in text) == (bits == 16)
+        assert "(0 tokens)" not in text  # (no activation rows for formats where nothing fits)
         for fmt in ("bf16", "int8", "int4", "int2+rot"):
             per_token, tokens = cells(r.stdout, fmt)[1:3]
             assert tokens == "0"  # the format's bytes a token are still shown, as where it fits
@@ -297,6 +299,8 @@ def test_chat_interactive_through_stdin(tmp_path, reuse_model):
     assert "Name a color" not in text  # saved before the second question
     tables = r.stdout.split("Cache and speed")
     assert "16 tokens" in tables[1]  # the first turn decoded 16 tokens
+    assert "0 tokens, 0.0 tok/s" in tables[2] and "16 tokens" not in tables[2]  # after /reset: no figures of the forgotten turn
+    assert "bytes on cpu" in tables[1] and "gpu" not in tables[1]  # (tiers by device)
 
 
 def test_chat_save_to_a_bad_path_says_so_and_the_chat_goes_on(tmp_path, reuse_model):

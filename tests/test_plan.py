@@ -118,7 +118,9 @@ def test_local_dir_with_config_json(tmp_path):
 
 
 def test_sizes_and_activations():
-    assert parse_size_gib("24GB") == 24 and parse_size_gib("22.5GiB") == 22.5 and parse_size_gib("512MB") == 0.5
+    # GiB and MiB are powers of two; GB and MB powers of ten (a "24GB" budget is 22.35 GiB)
+    assert parse_size_gib("22.5GiB") == 22.5 and parse_size_gib("512MiB") == 0.5 and parse_size_gib("24") == 24
+    assert parse_size_gib("24GB") == 24e9 / 2**30 and parse_size_gib("512MB") == 512e6 / 2**30
     with pytest.raises(ValueError, match="bad memory size"):
         parse_size_gib("lots")
     a, b = activation_bytes(SMOL, 2048, 10_000), activation_bytes(SMOL, 2048, 20_000)

@@ -20,7 +20,7 @@ def _gib(n: float) -> str:
 def plan(
     model: str = typer.Option("llama-3.1-8b", "--model", help="catalog name (llama-3.1-8b, mistral-7b, qwen2.5-7b, smollm2-135m, ...), a local dir with config.json, or a hub id"),
     gpu: str = typer.Option(None, "--gpu", help="catalog GPU (rtx-4090, rtx-3060-12gb, a100-80gb, ...); default rtx-4090 unless --gpu-mem"),
-    gpu_mem: str = typer.Option(None, "--gpu-mem", help="memory budget instead of --gpu, e.g. 24GB or 22.5GiB"),
+    gpu_mem: str = typer.Option(None, "--gpu-mem", help="memory budget instead of --gpu: 22.5GiB, or 24GB (10^9 bytes)"),
     weights_bits: int = typer.Option(16, "--weights-bits", help="16 (bf16), 8 or 4 (bitsandbytes)"),
     kv_bits: str = typer.Option("16,8,4,2", "--kv-bits", help="KV formats to plan, from 16,8,4,2 (2 = int2 with rotation)"),
     offload_gb: float = typer.Option(0.0, "--offload-gb", help="pinned host memory for the offload tier (GiB)"),
@@ -51,6 +51,8 @@ def plan(
         raise ValueError(f"bad --kv-bits {kv_bits!r}: use numbers from 16,8,4,2 such as 8,4") from None
     if weights_bits not in (16, 8, 4):
         raise ValueError(f"--weights-bits must be 16, 8 or 4, got {weights_bits}")
+    if gpu and gpu_mem:
+        raise ValueError(f"give --gpu (a catalog card, {gpu!r}) or --gpu-mem (a budget, {gpu_mem!r}), not both")
     shape = model_shape(model)
     label, gib = gpu_memory(gpu if gpu or gpu_mem else "rtx-4090", gpu_mem)
     if show_config:
@@ -80,8 +82,8 @@ def plan(
     b = p.budget
     items = [("GPU memory", _gib(b.total)), ("weights", _gib(b.weights)), ("runtime overhead (CUDA context, workspaces)", _gib(b.overhead)),
              ("fragmentation reserve (5 %)", _gib(b.reserve)), ("left for KV + activations", _gib(b.for_kv))]
-    items += [(f"activations at a {min(prefill_chunk, max(r.max_tokens, 1)):,}-token chunk, {r.format} ({r.max_tokens:,} tokens)", _gib(r.activations))
-              for r in p.rows if not r.unavailable]
+    items += [(f"activations at a {min(prefill_chunk, r.max_tokens):,}-token chunk, {r.format} ({r.max_tokens:,} tokens)", _gib(r.activations))
+              for r in p.rows if not r.unavailable and r.max_tokens]
     show_table("Budget", ("item", "bytes"), items, left=("item",), console=console)
     available = [r for r in p.rows if not r.unavailable]
     if available and not any(r.max_tokens for r in available):
