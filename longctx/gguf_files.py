@@ -79,10 +79,11 @@ class _Header:
                                     f"(GGUF's types are 0 to 12)")
 
 
-def check_gguf(path: Path) -> None:
+def check_gguf(path: Path) -> tuple[dict, list[str]]:
     """Raises DamagedModelFileError, in one line, where `path` is not a whole GGUF file: a wrong
     magic, a header that ends early or holds impossible values, or tensor data that the header
-    places past the end of the file (naming the first tensor cut)."""
+    places past the end of the file (naming the first tensor cut). Returns the header's
+    metadata (arrays of numbers as None, arrays of strings as lists) and the tensors' names."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     h = _Header(path)
@@ -93,12 +94,12 @@ def check_gguf(path: Path) -> None:
         if version not in (2, 3):
             raise DamagedModelFileError(f"{path.name} is corrupt or of an unknown GGUF version {version} (2 and 3 are read)")
         n_tensors, n_kv = h.count("tensors"), h.count("metadata entries")
-        alignment = 32
+        metadata = {}
         for _ in range(n_kv):
             key = h.string("a metadata key")
-            value = h.value(h.scalar("<I", f"the type of {key!r}"), key)
-            if key == "general.alignment" and isinstance(value, int) and value > 0:
-                alignment = value
+            metadata[key] = h.value(h.scalar("<I", f"the type of {key!r}"), key)
+        alignment = metadata.get("general.alignment")
+        alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
         tensors = []
         for _ in range(n_tensors):
             name = h.string("a tensor name")
@@ -124,6 +125,29 @@ def check_gguf(path: Path) -> None:
         cut = sorted(t for t in tensors if start + t[0] + t[1] > h.size)
         raise DamagedModelFileError(f"{path.name} is truncated: its header describes {need:,} bytes and the file has {h.size:,} "
                                     f"(tensor {cut[0][2]!r} and {len(cut) - 1} after it are cut)")
+    return metadata, [name for _, _, name in tensors]
+
+
+def gguf_shape_config(path: Path) -> dict:
+    """A transformers-style config (num_hidden_layers, hidden_size, heads, ...) from a GGUF
+    file's header, for `longctx plan`; the file is checked as check_gguf does."""
+    meta, tensors = check_gguf(path)
+    arch = meta.get("general.architecture")
+
+    def get(key: str, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelNotFoundError(f"{path.name}: its header has no {arch}.{key}, which plan needs")
+        return value
+
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    return {"model_type": arch, "num_hidden_layers": get("block_count"), "hidden_size": hidden, "num_attention_heads": heads,
+            "num_key_value_heads": get("attention.head_count_kv", heads), "head_dim": get("attention.key_length", hidden // heads),
+            "intermediate_size": get("feed_forward_length"), "vocab_size": get("vocab_size", len(tokens) if tokens else None),
+            "max_position_embeddings": meta.get(f"{arch}.context_length"),
+            "tie_word_embeddings": "output.weight" not in tensors}  # (a tied LM head has no tensor of its own)
 
 
 def cache_dir() -> Path:

@@ -81,7 +81,7 @@ def _unknown(what: str, name: str, choices) -> UnknownNameError:
 
 
 def model_shape(name: str) -> ModelShape:
-    """A catalog name, a local directory with config.json, or a hub id (needs the network)."""
+    """A catalog name, a local directory with config.json, a .gguf file, or a hub id (needs the network)."""
     models = catalog_models()
     if name.lower() in models:
         return ModelShape(name=name.lower(), **models[name.lower()])
@@ -91,6 +91,12 @@ def model_shape(name: str) -> ModelShape:
         if not cfg_file.is_file():
             raise ModelNotFoundError(f"{path} has no config.json")
         return shape_from_config(json.loads(cfg_file.read_text()), name=str(path))
+    if path.suffix == ".gguf":
+        from .gguf_files import gguf_shape_config
+
+        if not path.is_file():
+            raise ModelNotFoundError(f"no GGUF file at {path}")
+        return shape_from_config(gguf_shape_config(path), name=path.name)
     looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith((".json", ".gguf", ".safetensors"))
     if looks_like_path:
         raise ModelNotFoundError(f"no model directory at {name!r} (plan needs a directory with config.json)")

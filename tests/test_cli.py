@@ -257,6 +257,29 @@ def test_plan_says_why_no_context_fits_and_what_to_try():
             assert abs(int(per_token.replace(",", "")) / int(cells(fits.stdout, fmt)[1].replace(",", "")) - 1) < 0.01
 
 
+def test_plan_reads_a_gguf_files_shape_as_chat_loads_it():
+    """plan --model FILE.gguf (chat accepts one, plan refused it): the shape from the file's
+    header gives the catalog entry's plan for the same model; a damaged file is one line."""
+    from longctx.models import embedded_gguf
+
+    gguf = runner.invoke(app, ["plan", "--model", str(embedded_gguf()), "--gpu", "rtx-4060-ti-16gb", "--json"])
+    catalog = runner.invoke(app, ["plan", "--model", "smollm2-135m", "--gpu", "rtx-4060-ti-16gb", "--json"])
+    assert gguf.exit_code == catalog.exit_code == 0, gguf.output
+    a, b = json.loads(gguf.stdout), json.loads(catalog.stdout)
+    assert a["params"] == b["params"] and a["max_context"] == b["max_context"] == 8192
+    assert [r["max_tokens"] for r in a["rows"]] == [r["max_tokens"] for r in b["rows"]]
+
+
+def test_version_and_help_lines():
+    from importlib.metadata import version
+
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.stdout.strip() == f"longctx {version('longctx')}"
+    from longctx.cli.chat import HELP
+
+    assert "/save\u00a0FILE" in HELP  # (a terminal's wrap never parts the command from its argument)
+
+
 def test_plan_list_and_help():
     r = runner.invoke(app, ["plan", "--list"])
     assert r.exit_code == 0 and "llama-3.1-8b" in r.stdout and "rtx-4090" in r.stdout

@@ -24,6 +24,21 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"longctx {version('longctx')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print longctx's version and exit")) -> None:
+    """Paged int8/int4/int2 KV caches for long contexts on one GPU."""
+
+
 app.add_typer(eval_app, name="eval")
 app.add_typer(bench_app, name="bench")
 app.command("info")(info)

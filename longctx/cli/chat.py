@@ -13,8 +13,8 @@ from rich.table import Table
 
 from .options import at_least, print_config, print_config_option, read_text_file
 
-HELP = """Commands: /stats (cache and speed), /reset (forget the conversation), /save FILE
-(transcript as Markdown), /help, /exit. Ctrl-C stops the current answer."""
+HELP = ("Commands: /stats (cache and speed), /reset (forget the conversation), /save\u00a0FILE (transcript as Markdown), "
+        "/help, /exit. Ctrl-C stops the current answer.")
 
 
 def _stats_table(session) -> Table:
