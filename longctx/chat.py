@@ -21,9 +21,23 @@ from .integrations.transformers import cache_kwargs
 
 @dataclass
 class SamplingConfig:
-    max_new_tokens: int = 512
-    temperature: float = 0.7  # 0: greedy
-    top_p: float = 0.9
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+
+    @classmethod
+    def for_model(cls, model, **given) -> SamplingConfig:
+        """The model's own sampling where its generation config sets it (do_sample with its
+        temperature and top_p; max_new_tokens), else greedy, 256 new tokens; `given` (not None)
+        overrides."""
+        gc = getattr(model, "generation_config", None)
+        own = gc.to_diff_dict() if gc is not None else {}
+        found = {}
+        if own.get("do_sample"):
+            found.update(temperature=gc.temperature if gc.temperature is not None else 1.0, top_p=gc.top_p if gc.top_p is not None else 1.0)
+        if own.get("max_new_tokens"):
+            found["max_new_tokens"] = own["max_new_tokens"]
+        return cls(**{**found, **{k: v for k, v in given.items() if v is not None}})
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -44,6 +58,23 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
         keep = sorted_p.cumsum(0) - sorted_p < cfg.top_p
         probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+LOOP_TOKENS = 24  # a reply whose last tokens repeat one span for at least this many tokens (and 3 times) has looped
+
+
+def repeating(ids: list[int], longest: int = 64) -> bool:
+    """Whether `ids` ends in one span of 1 to `longest` tokens repeated at least 3 times and over
+    at least LOOP_TOKENS tokens: small models at low temperature fall into such loops and would
+    repeat until max_new_tokens."""
+    for n in range(1, longest + 1):
+        times = max(3, -(-LOOP_TOKENS // n))
+        if len(ids) < n * times:
+            continue
+        span = ids[-n:]
+        if all(ids[-(i + 1) * n : len(ids) - i * n] == span for i in range(1, times)):
+            return True
+    return False
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -174,6 +205,9 @@ class ChatSession:
             for _ in range(sampling.max_new_tokens):
                 tok = sample(logits[0], sampling, generator)
                 if tok == eos:
+                    break
+                if repeating(reply_ids + [tok]):  # (what was streamed stays; the loop ends before this token)
+                    stats.stopped = "the answer was repeating itself"
                     break
                 reply_ids.append(tok)
                 if on_token is not None:

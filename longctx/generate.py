@@ -23,6 +23,7 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    stopped: str = ""  # why decoding stopped before EOS or the token limit, where it did
 
     @property
     def prefill_tok_s(self) -> float:

@@ -310,6 +310,38 @@ def test_chat_prompt_answers_once():
     assert "Paris" in r.stdout
 
 
+def test_repeating_answers_are_caught_and_sampling_follows_the_model():
+    """The loop guard: a span repeated 3 times over at least 24 tokens (or one token 24 times)
+    ends an answer; lists, a few repeats and short runs do not. The sampling defaults: the
+    model's generation config where it samples, else greedy with 256 new tokens; options win."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from longctx.chat import SamplingConfig, repeating
+
+    assert repeating([5] * 24) and not repeating([5] * 23)
+    assert repeating([1, 2, 3, 4, 5, 6, 7, 8] * 3) and not repeating([1, 2, 3, 4, 5, 6, 7, 8] * 2)
+    assert repeating([9, 9] + [1, 2, 3] * 8) and not repeating([9, 9] + [1, 2, 3] * 7)
+    assert not repeating(list(range(100))) and not repeating([1, 2] * 11)
+    assert repeating(list(range(40)) + list(range(64)) * 3)  # (the longest span looked for)
+    greedy = SimpleNamespace(generation_config=GenerationConfig(bos_token_id=1, eos_token_id=2))
+    assert SamplingConfig.for_model(greedy) == SamplingConfig(max_new_tokens=256, temperature=0.0, top_p=1.0)
+    sampling = SimpleNamespace(generation_config=GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95, max_new_tokens=100))
+    assert SamplingConfig.for_model(sampling) == SamplingConfig(max_new_tokens=100, temperature=0.6, top_p=0.95)
+    assert SamplingConfig.for_model(sampling, temperature=0, max_new_tokens=None) == SamplingConfig(100, 0.0, 0.95)
+
+
+def test_piped_chat_answers_read_as_pairs(reuse_model):
+    """Piped questions: each answer follows its question as "> question" and ends with a blank
+    line, greedy by default (the embedded model's generation config does not sample)."""
+    r = runner.invoke(app, ["chat", "--max-new-tokens", "12"], input="What is the capital of France?\nName a color.\n")
+    assert r.exit_code == 0, r.output
+    blocks = [b for b in r.stdout.split("\n\n") if b.strip()]
+    assert [b.splitlines()[0] for b in blocks] == ["> What is the capital of France?", "> Name a color."], r.stdout
+    assert "Paris" in blocks[0]
+
+
 def test_chat_interactive_through_stdin(tmp_path, reuse_model):
     transcript = tmp_path / "t.md"
     script = f"Hello! Who are you?\n/stats\n/save {transcript}\n/reset\n/stats\nName a color.\n/exit\nnot read\n"

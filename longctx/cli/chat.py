@@ -45,9 +45,9 @@ def chat(
     load_in_4bit: bool = typer.Option(False, "--load-in-4bit", help="bitsandbytes 4-bit weights (CUDA)"),
     load_in_8bit: bool = typer.Option(False, "--load-in-8bit", help="bitsandbytes 8-bit weights (CUDA)"),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
-    max_new_tokens: int = typer.Option(512, "--max-new-tokens"),
-    temperature: float = typer.Option(0.7, "--temperature", help="0 for greedy"),
-    top_p: float = typer.Option(0.9, "--top-p"),
+    max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="most tokens an answer takes (default: the model's generation config, else 256)"),
+    temperature: float = typer.Option(None, "--temperature", help="0 for greedy (default: the model's generation config, else greedy)"),
+    top_p: float = typer.Option(None, "--top-p", help="nucleus sampling (default: the model's generation config, else 1)"),
     seed: int = typer.Option(0, "--seed", help="sampling seed"),
     system: str = typer.Option(None, "--system", help="system prompt"),
     file: Path = typer.Option(None, "--file", help="a document to place into the context (prefilled in chunks)"),
@@ -76,24 +76,27 @@ def chat(
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
     doc = read_text_file(file, "--file") if file is not None else None
     at_least(chunk, 1, "--chunk")
-    at_least(max_new_tokens, 1, "--max-new-tokens")
-    at_least(temperature, 0, "--temperature")
-    if not 0 < top_p <= 1:
+    if max_new_tokens is not None:
+        at_least(max_new_tokens, 1, "--max-new-tokens")
+    if temperature is not None:
+        at_least(temperature, 0, "--temperature")
+    if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
     if max_context is not None and max_context < 1:
         raise ValueError(f"--max-context must be a positive number of tokens, got {max_context}")
     # --max-context also sizes the page pools once (no doubling and copying as the chat grows)
     max_blocks = -(-max_context // block_size) if max_context else None
     kv = KVConfig(bits=kv_bits, k_bits=k_bits, v_bits=v_bits, rotate=rotate, block_size=block_size, max_blocks=max_blocks)
-    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-    if show_config:  # group_size null: the model's head_dim sets it when the cache is built
-        return print_config(model=model or "embedded SmolLM2-135M-Instruct", kv=kv, sampling=sampling,
+    given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    if show_config:  # group_size null: the model's head_dim sets it when the cache is built; sampling null: the model's
+        return print_config(model=model or "embedded SmolLM2-135M-Instruct", kv=kv, sampling=given,
                             chat=dict(device=device, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, seed=seed, system=system, file=file,
                                       max_context=max_context, chunk=chunk, graphs=graphs))
     err = Console(stderr=True)
     out = Console(highlight=False)
     with err.status("loading model..."):
         mdl, tok = load_model(model, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, device=None if device == "auto" else device)
+    sampling = SamplingConfig.for_model(mdl, **given)
     if doc is not None:
         system = ((system + "\n\n") if system else "") + f"Document ({file.name}):\n\n{doc}"
     session = ChatSession(mdl, tok, LongCtxCache(mdl, kv), system=system, chunk=chunk, max_context=max_context, graphs=graphs)
@@ -134,15 +137,24 @@ def chat(
             bar.close()
         err.print(f"{file.name}: {n:,} tokens in the context ({session.last.prefill_tok_s:,.0f} tok/s)")
 
-    def answer(text: str) -> None:
+    def answer(text: str, echo: bool = False) -> None:
+        """One turn; `echo` (piped input) first prints the question as "> question", and a blank
+        line ends the answer, so that a transcript of several answers reads as pairs."""
+        if echo:
+            out.print(f"> {text}", markup=False)
         bar = Bar()
         try:
-            session.send(text, sampling, on_token=lambda piece: out.print(piece, end="", soft_wrap=True), on_prefill=bar, generator=gen)
+            session.send(text, sampling, on_token=lambda piece: out.print(piece, end="", soft_wrap=True, markup=False), on_prefill=bar,
+                         generator=gen)
         except KeyboardInterrupt:
             out.print("\n(interrupted: the answer so far is kept)", style="yellow", markup=False)
         finally:
             bar.close()
         out.print()
+        if session.last.stopped:
+            err.print(f"(stopped: {session.last.stopped})", style="yellow", markup=False)
+        if echo:
+            out.print()
 
     if prompt is not None:
         answer(prompt)
@@ -187,6 +199,6 @@ def chat(
                     out.print(f"unknown command {cmd}; {HELP}", style="red")
             continue
         try:
-            answer(text)
+            answer(text, echo=not interactive)
         except (ValueError, LongCtxError) as e:  # e.g. --max-context reached: say so, keep chatting
             out.print(f"error: {e}", style="red")
