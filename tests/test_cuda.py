@@ -539,3 +539,36 @@ def test_head_dim_32_takes_the_reference_path(fmt):
         cache.detach()
         assert cache.paged.seals > 0 and cache.paged.device.type == "cuda"
     assert torch.equal(*outs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed (carry its wheel)")
+def test_load_in_4bit_through_load_model_generates_with_paged_cache_and_graphs(tmp_path, monkeypatch):
+    """A tiny Llama saved as a transformers folder, loaded with load_in_4bit=True through
+    load_model (bitsandbytes NF4 Linear layers on the GPU), generates through LongCtxCache:
+    generate's own eager loop and graph_decoding's CUDA-graph steps give the same tokens."""
+    import bitsandbytes as bnb
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from longctx import graph_decoding, load_model
+    from longctx.graphs import GraphDecoder
+
+    words = Tokenizer(models.WordLevel(vocab={**{f"w{i}": i for i in range(127)}, "<unk>": 127}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()  # (a tokenizer of the tiny model's 128 ids, for the folder)
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="w2", pad_token="w0").save_pretrained(tmp_path)
+    tiny_llama(layers=2, heads=4, kv_heads=2, head_dim=64, vocab=128).save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), load_in_4bit=True, device="cuda")
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(3)).cuda()
+    replays = []
+    step = GraphDecoder.step
+    monkeypatch.setattr(GraphDecoder, "step", lambda self, x: (replays.append(self), step(self, x))[1])
+    outs = []
+    for custom in (None, graph_decoding):
+        cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+        with torch.no_grad():
+            outs.append(model.generate(input_ids=ids, do_sample=False, max_new_tokens=24, pad_token_id=0, custom_generate=custom,
+                                       **cache_kwargs(model, cache)))
+        assert cache.memory_report().blocks["quantized"] > 0
+        cache.detach()
+    assert len(replays) == 23 and torch.equal(outs[0], outs[1])

@@ -245,6 +245,26 @@ def test_readme_quickstart_runs_and_shows_a_clean_answer_and_a_readable_report(s
     assert quantized >= 10, report  # (the prompt fills pages: the int4 demo quantizes)
 
 
+def test_load_in_4bit_or_8bit_needs_a_gpu_and_bitsandbytes(monkeypatch, tmp_path):
+    """load_model's bitsandbytes branch: on the CPU a one-line error that says a GPU is needed;
+    with a GPU but without bitsandbytes, one that says how to install it; both before a model
+    is read; and the two widths together are refused."""
+    import importlib.util
+
+    import longctx.models
+
+    with pytest.raises(ValueError, match="bitsandbytes 4/8-bit weights need a CUDA GPU"):
+        load_model(device="cpu", load_in_4bit=True)
+    with pytest.raises(ValueError, match="choose one of load_in_4bit and load_in_8bit"):
+        load_model(device="cpu", load_in_4bit=True, load_in_8bit=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(longctx.models.importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(ModelNotFoundError, match=r"bitsandbytes is not installed: `pip install 'longctx\[bnb\]'`"):
+        load_model(device="cuda", load_in_8bit=True)
+
+
 def test_load_model_errors(monkeypatch, tmp_path):
     with pytest.raises(ModelNotFoundError, match="no GGUF file at"):
         load_model(str(tmp_path / "missing.gguf"))

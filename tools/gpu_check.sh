@@ -26,6 +26,11 @@ if [ -n "${FLASH_TAR:-}" ]; then  # flash-attn's binding compiled against the im
   timeout 400 python3 tools/link_flash_attn.py "$d" > "$OUT/flash_link.log" 2>&1 || { tail -30 "$OUT/flash_link.log"; exit 1; }
   export PYTHONPATH=$d/python:$PYTHONPATH
 fi
+# carried wheels (.whl/*.whl, e.g. bitsandbytes for the 4-bit loading test: pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --platform manylinux_2_24_x86_64 -d .whl bitsandbytes, and carry .whl)
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 STAGES=("$@")
 want_stage() { [ ${#STAGES[@]} -eq 0 ] && return 0; local s; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
