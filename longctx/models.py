@@ -57,6 +57,38 @@ def _resolve(name: str | None) -> tuple[str, dict]:
     return name, {}  # a hub id such as "meta-llama/Llama-3.1-8B-Instruct"
 
 
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """None where the Hugging Face hub (HF_ENDPOINT, else huggingface.co) takes a connection
+    within `timeout` seconds, else what failed: one quick try, where transformers would retry
+    for 30-50 s before its own error."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"{host}:{port}: {e.strerror or type(e).__name__}"
+    return None
+
+
+def hub_kwargs(hub_id: str) -> dict:
+    """from_pretrained's keywords for a hub id: {} online; local_files_only where the hub cannot be
+    reached but the local hub cache holds the model; a ModelNotFoundError where it holds none."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        return {}
+    why = hub_unreachable()
+    if why is None:
+        return {}
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(hub_id, "config.json"), str):
+        return {"local_files_only": True}
+    raise ModelNotFoundError(f"{hub_id!r} is not in the local hub cache and the hub cannot be reached ({why}): give a local folder "
+                             f"or .gguf file, or download it on a machine that is online")
+
+
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -112,6 +144,8 @@ def load_model(
     # use_kernels=False: transformers 5.25 turned its Hub kernels on by default (layers swapped
     # for kernels the `kernels` package fetches from the Hub, which an offline machine cannot
     # reach and our quality tables never measured); 5.17-5.24 take the flag, off by default
+    hub = {} if extra or Path(source).exists() else hub_kwargs(source)  # (a hub id: fail fast where the hub is unreachable)
+    extra = {**extra, **hub}
     kwargs: dict = {"dtype": dtype, "use_kernels": False, **extra}
     if load_in_4bit or load_in_8bit:
         if not device.startswith("cuda") or not torch.cuda.is_available():

@@ -102,10 +102,13 @@ def model_shape(name: str) -> ModelShape:
         raise ModelNotFoundError(f"no model directory at {name!r} (plan needs a directory with config.json)")
     if "/" not in name:  # not a hub id: most likely a catalog name with a typo
         raise _unknown("model", name, models)
+    from .models import hub_kwargs
+
+    hub = hub_kwargs(name)  # (fails fast where the hub is unreachable and the local cache holds nothing)
     try:
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(name).to_dict()
+        cfg = AutoConfig.from_pretrained(name, **hub).to_dict()
     except Exception as e:  # offline, gated, or no such repo
         raise ModelNotFoundError(f"cannot read the config of {name!r} from the hub ({type(e).__name__}); "
                                  f"use a catalog name ({', '.join(sorted(models)[:4])}, ...) or a local directory") from None

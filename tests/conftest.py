@@ -10,6 +10,9 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
+# no test reaches out: a hub request goes to a closed local port and fails at once
+os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
+
 # converted GGUF models are kept for the session in a folder of its own, not the user's cache
 # (the first load converts, the others read the copy)
 if "LONGCTX_CACHE" not in os.environ:

@@ -265,6 +265,31 @@ def test_load_in_4bit_or_8bit_needs_a_gpu_and_bitsandbytes(monkeypatch, tmp_path
         load_model(device="cuda", load_in_8bit=True)
 
 
+def test_an_unreachable_hub_is_one_quick_error_unless_the_model_is_cached(monkeypatch, tmp_path):
+    """A hub id with the hub unreachable (HF_ENDPOINT on a closed local port; no traffic leaves
+    this machine) is one line at once, where transformers retried for 30-50 s; a model the
+    local hub cache holds loads from it without the network; HF_HUB_OFFLINE skips the check."""
+    import huggingface_hub
+
+    from longctx import models
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert models.hub_unreachable().startswith("127.0.0.1:9: ")
+    with pytest.raises(ModelNotFoundError, match=r"'someorg/some-model' is not in the local hub cache and the hub cannot be reached \(127.0.0.1:9"):
+        load_model("someorg/some-model", device="cpu")
+    snapshot = tmp_path / "models--someorg--cached" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--someorg--cached" / "refs").mkdir()
+    (tmp_path / "models--someorg--cached" / "refs" / "main").write_text("0" * 40)
+    real = huggingface_hub.try_to_load_from_cache
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: real(repo, name, cache_dir=tmp_path))
+    assert models.hub_kwargs("someorg/cached") == {"local_files_only": True}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models.hub_kwargs("someorg/anything") == {}
+
+
 def test_load_model_errors(monkeypatch, tmp_path):
     with pytest.raises(ModelNotFoundError, match="no GGUF file at"):
         load_model(str(tmp_path / "missing.gguf"))
