@@ -180,6 +180,26 @@ def test_graph_decoder_matches_eager_steps(dtype, kv):
     assert (a.tail_k[:, :, :, :10].float() - b.tail_k[:, :, :, :10].float()).abs().max().item() <= tol * a.tail_k.abs().max().item()
 
 
+def _eager_and_graphed(model, monkeypatch, **generate):
+    """generate()'s own eager loop and graph_decoding's, each over a fresh int4 LongCtxCache
+    (pages of 16 tokens, greedy): (the GraphDecoder of every replayed step, [eager, graphed]),
+    each cache holding quantized pages when done."""
+    from longctx import graph_decoding
+    from longctx.graphs import GraphDecoder
+
+    replays = []
+    step = GraphDecoder.step
+    monkeypatch.setattr(GraphDecoder, "step", lambda self, x: (replays.append(self), step(self, x))[1])
+    outs = []
+    for custom in (None, graph_decoding):
+        cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
+        with torch.no_grad():
+            outs.append(model.generate(do_sample=False, pad_token_id=0, custom_generate=custom, **generate, **cache_kwargs(model, cache)))
+        assert cache.memory_report().blocks["quantized"] > 0
+        cache.detach()
+    return replays, outs
+
+
 @pytest.mark.parametrize("pads", [[0], [0, 7, 30]], ids=["one-row", "left-padded"])
 def test_generate_with_graph_decoding_replays_graphs(pads, monkeypatch):
     """model.generate(custom_generate=graph_decoding) on CUDA: its decode steps come from CUDA
@@ -191,17 +211,8 @@ def test_generate_with_graph_decoding_replays_graphs(pads, monkeypatch):
     model = tiny_llama(layers=3, heads=8, kv_heads=2, head_dim=64).to("cuda", torch.float32)
     ids = torch.randint(3, 128, (len(pads), 100), generator=torch.Generator().manual_seed(5)).cuda()
     mask = (torch.arange(100)[None, :] >= torch.tensor(pads)[:, None]).long().cuda()
-    replays = []
-    step = GraphDecoder.step
-    monkeypatch.setattr(GraphDecoder, "step", lambda self, x: (replays.append(self), step(self, x))[1])
-    outs = []
-    for custom in (None, graph_decoding):
-        cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
-        with torch.no_grad():
-            outs.append(model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=50, pad_token_id=0,
-                                       return_dict_in_generate=True, output_logits=True, custom_generate=custom, **cache_kwargs(model, cache)))
-        cache.detach()
-    eager, graphed = outs
+    replays, (eager, graphed) = _eager_and_graphed(model, monkeypatch, input_ids=ids, attention_mask=mask, max_new_tokens=50,
+                                                   return_dict_in_generate=True, output_logits=True)
     assert len(replays) == 49 and replays[0].replayed == 49 and replays[0].recorded == 2  # three seals in place, a growth of the pools
     assert (replays[0].start is None) == (max(pads) == 0)
     a, b = torch.stack(eager.logits), torch.stack(graphed.logits)
@@ -560,15 +571,5 @@ def test_load_in_4bit_through_load_model_generates_with_paged_cache_and_graphs(t
     model, _ = load_model(str(tmp_path), load_in_4bit=True, device="cuda")
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(3)).cuda()
-    replays = []
-    step = GraphDecoder.step
-    monkeypatch.setattr(GraphDecoder, "step", lambda self, x: (replays.append(self), step(self, x))[1])
-    outs = []
-    for custom in (None, graph_decoding):
-        cache = LongCtxCache(model, KVConfig(bits=4, block_size=16))
-        with torch.no_grad():
-            outs.append(model.generate(input_ids=ids, do_sample=False, max_new_tokens=24, pad_token_id=0, custom_generate=custom,
-                                       **cache_kwargs(model, cache)))
-        assert cache.memory_report().blocks["quantized"] > 0
-        cache.detach()
-    assert len(replays) == 23 and torch.equal(outs[0], outs[1])
+    replays, (eager, graphed) = _eager_and_graphed(model, monkeypatch, input_ids=ids, max_new_tokens=24)
+    assert len(replays) == 23 and torch.equal(eager, graphed)

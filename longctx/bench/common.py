@@ -201,7 +201,7 @@ def bench_setup(bench: str, formats, block_size: int, shape: str = "llama-3-8b")
     return cfgs, dims["heads"], dims["kv_heads"], dims["head_dim"]
 
 
-def median(xs: list[float]) -> float:
+def median_of(xs: list[float]) -> float:
     s, n = sorted(xs), len(xs)
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
@@ -215,6 +215,6 @@ def sealing_share(step_ms: list[float], sealed: list[bool], block_size: int) -> 
     seals = [t for t, s in zip(step_ms, sealed, strict=True) if s]
     if not plain or not seals:
         return float("nan"), float("nan")
-    median = median(plain)
+    median = median_of(plain)
     extra = sum(seals) / len(seals) - median
     return extra, 100.0 * extra / (block_size * median)

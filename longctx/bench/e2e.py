@@ -33,10 +33,17 @@ class E2ERow:
 
 def llama3_8b_shaped(layers: int = 32, max_positions: int = 1 << 20, device: str = "cuda"):
     """A random-initialized model with Llama-3-8B's shapes, bf16 weights, SDPA attention."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-                      vocab_size=128256, max_position_embeddings=max_positions, rope_theta=500000.0, attn_implementation="sdpa")
+    return random_llama(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+                                    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=max_positions, rope_theta=500000.0,
+                                    attn_implementation="sdpa"), device)
+
+
+def random_llama(cfg, device: str = "cuda"):
+    """A random-initialized LlamaForCausalLM of `cfg` (a LlamaConfig), built in bf16 on `device`."""
+    from transformers import LlamaForCausalLM
+
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:

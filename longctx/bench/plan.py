@@ -21,6 +21,7 @@ from ..config import KVConfig
 from ..errors import BackendUnavailableError
 from ..plan import FORMAT_PRESETS, activation_bytes, kv_bytes, model_shape, plan, weight_bytes
 from .common import out_of_memory
+from .e2e import random_llama
 
 GIB = 2**30
 FORMATS = {"bf16": 16, "int8": 8, "int4": 4, "int2+rot": 2, "int2": 2}  # plan's formats (blocks of 64 tokens)
@@ -51,20 +52,12 @@ class PlanCheckRow:
 
 def random_model(shape, max_positions: int, device: str = "cuda"):
     """A random-initialized Llama-architecture model of `shape` (a plan.ModelShape), bf16."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-                      num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-                      vocab_size=shape.vocab, tie_word_embeddings=shape.tied, attention_bias=shape.qkv_bias,
-                      max_position_embeddings=max_positions, attn_implementation="sdpa")
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    return model.eval()
+    return random_llama(LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                                    num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+                                    vocab_size=shape.vocab, tie_word_embeddings=shape.tied, attention_bias=shape.qkv_bias,
+                                    max_position_embeddings=max_positions, attn_implementation="sdpa"), device)
 
 
 def to_nf4(model) -> None:

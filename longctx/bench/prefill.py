@@ -34,7 +34,6 @@ def bench_prefill(contexts=(32768, 131072), chunks=(16384,), formats=("int4", "i
     kernel); the peer is SDPA (flash, lower-right causal) over dense bf16 K/V, as
     DynamicCache + SDPA prefill runs."""
     from ..cache import PagedKVCache
-    from ..ops.paged_attention.tuning import TUNE
     from ..ops.paged_attention.prefill import sdpa_lower_right
 
     for path in paths:
@@ -58,7 +57,7 @@ def bench_prefill(contexts=(32768, 131072), chunks=(16384,), formats=("int4", "i
                 cache.append(0, k[:, :, : T - C], v[:, :, : T - C])
                 cache.seal()
                 for path in paths:
-                    case.append(PrefillRow(f"longctx {cfg.describe()} ({path})", T, C, _time_chunk(cache, kernels, path, q, k, v, T, C, reps)))
+                    case.append(PrefillRow(f"longctx {cfg.describe()} ({path})", T, C, _time_chunk(cache, path, q, k, v, T, C, reps)))
                 cache.reset()
                 del cache
                 torch.cuda.empty_cache()
@@ -73,8 +72,10 @@ def bench_prefill(contexts=(32768, 131072), chunks=(16384,), formats=("int4", "i
     return rows
 
 
-def _time_chunk(cache, kernels, path: str, q, k, v, T: int, C: int, reps: int) -> float:
+def _time_chunk(cache, path: str, q, k, v, T: int, C: int, reps: int) -> float:
     """Median ms of (append the chunk, attend by `path`, seal) on a cache holding T - C tokens."""
+    from ..ops.paged_attention.tuning import TUNE
+
     saved = TUNE["prefill"]
     TUNE["prefill"] = path
     try:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .common import SHAPES, median, bench_setup, sealing_share
+from .common import SHAPES, bench_setup, median_of, sealing_share
 
 
 @dataclass
@@ -93,8 +93,8 @@ def bench_seal(context: int = 131072, formats=("int4",), shape: str = "llama-3-8
         run(2 * P)  # warm-up: the first seals compile their kernel specialization
         times, sealed = run(rounds * P)  # rounds seals: one every P steps
         extra, _ = sealing_share(times, sealed, P)
-        step = median([t for t, s in zip(times, sealed) if not s])
-        rows.append(SealRow(f"longctx {cfg.describe()}", context, L, P, median(run(P, append=False)[0]), step, step + extra))
+        step = median_of([t for t, s in zip(times, sealed) if not s])
+        rows.append(SealRow(f"longctx {cfg.describe()}", context, L, P, median_of(run(P, append=False)[0]), step, step + extra))
         cache.reset()
         del cache
         torch.cuda.empty_cache()

@@ -15,7 +15,7 @@ from longctx.ops.paged_attention import paged_attention  # noqa: E402
 from longctx.ops.paged_attention import prefill  # noqa: E402
 from longctx.ops.paged_attention import triton as K  # noqa: E402
 from longctx.ops.paged_attention import merge as MERGE  # noqa: E402
-from longctx.ops.paged_attention import tuning as T  # noqa: E402
+from longctx.ops.paged_attention import tuning as TUNING  # noqa: E402
 from longctx.ops.paged_attention.triton import paged_decode_triton  # noqa: E402
 from longctx.ops.paged_attention.tuning import TUNE, loaded, num_splits, programs_fit  # noqa: E402
 from longctx.testing import attention_fp64, expected_dense  # noqa: E402
@@ -444,25 +444,25 @@ def test_tiny_probe_tells_exact_from_flushed_subnormals():
     """The probe's verdict: the exact product passes; operands flushed to zero (what PTX allows
     mma to do with subnormal inputs), or codes that lose their low bit, do not. Then the probe
     itself on this test's device (the interpreter on the CPU), cached."""
-    codes, b = T._tiny_probe_inputs()
+    codes, b = TUNING._tiny_probe_inputs()
     exact = ((codes.double() * 2.0**-24) @ b.double()).float()
-    assert T._tiny_probe_verdict(exact, codes, b)
-    assert not T._tiny_probe_verdict(torch.zeros_like(exact), codes, b)
+    assert TUNING._tiny_probe_verdict(exact, codes, b)
+    assert not TUNING._tiny_probe_verdict(torch.zeros_like(exact), codes, b)
     truncated = (((codes & ~1).double() * 2.0**-24) @ b.double()).float()
-    assert not T._tiny_probe_verdict(truncated, codes, b)
+    assert not TUNING._tiny_probe_verdict(truncated, codes, b)
     device = torch.device(DEVICE)
-    T._TINY_OK.pop(T._device_key(device), None)
-    assert T.tiny_codes_exact(device) is True and T._TINY_OK[T._device_key(device)] is True
+    TUNING._TINY_OK.pop(TUNING._device_key(device), None)
+    assert TUNING.tiny_codes_exact(device) is True and TUNING._TINY_OK[TUNING._device_key(device)] is True
 
 
 def test_side_tiny_falls_back_where_the_probe_fails(monkeypatch):
     """A device whose dots do not multiply subnormal fp16 exactly gets the biased and exact
     codes, within the grid's budget; one whose dots do gets the tiny codes."""
     monkeypatch.setattr(K, "_PLANS", {})
-    monkeypatch.setitem(T._TINY_OK, T._device_key(torch.device(DEVICE)), False)
+    monkeypatch.setitem(TUNING._TINY_OK, TUNING._device_key(torch.device(DEVICE)), False)
     plan = _within_budget(SIDE_CASES[1], torch.float16)
     assert plan.summary["side"] and not plan.summary["tiny"]
-    monkeypatch.setitem(T._TINY_OK, T._device_key(torch.device(DEVICE)), True)
+    monkeypatch.setitem(TUNING._TINY_OK, TUNING._device_key(torch.device(DEVICE)), True)
     plan = _within_budget(SIDE_CASES[1], torch.float16)
     assert plan.summary["tiny"]
 
@@ -1152,26 +1152,26 @@ def test_stages_that_fit_the_devices_shared_memory(monkeypatch):
     """A launch keeps its stages where the compiled kernel fits the device's shared memory a
     block, else takes the most stages that fit; one stage too big raises, naming both sizes;
     TUNE["shared_limit"] lowers the device's limit, never raises it; the choice is cached."""
-    monkeypatch.setattr(T, "_STAGES", {})
-    monkeypatch.setattr(T, "_device_shared", lambda device: 101376)  # an RTX 4090's
+    monkeypatch.setattr(TUNING, "_STAGES", {})
+    monkeypatch.setattr(TUNING, "_device_shared", lambda device: 101376)  # an RTX 4090's
     fits = _FakeKernel({3: 90000, 2: 60000, 1: 30000})
-    assert T.stages_that_fit(fits, (1,), (), dict(num_stages=3), 0, "t") == 3
+    assert TUNING.stages_that_fit(fits, (1,), (), dict(num_stages=3), 0, "t") == 3
     big = _FakeKernel({3: 196736, 2: 143360, 1: 77824})  # pages of 256 tokens
-    assert T.stages_that_fit(big, (1,), (), dict(num_stages=3), 0, "t") == 1 and big.calls == [3, 2, 1]
-    assert T.stages_that_fit(big, (1,), (), dict(num_stages=3), 0, "t") == 1 and big.calls == [3, 2, 1]  # cached
-    assert T.stages_that_fit(big, (1,), (), dict(num_stages=2, X=1), 0, "t") == 1  # other constexprs: asked again
+    assert TUNING.stages_that_fit(big, (1,), (), dict(num_stages=3), 0, "t") == 1 and big.calls == [3, 2, 1]
+    assert TUNING.stages_that_fit(big, (1,), (), dict(num_stages=3), 0, "t") == 1 and big.calls == [3, 2, 1]  # cached
+    assert TUNING.stages_that_fit(big, (1,), (), dict(num_stages=2, X=1), 0, "t") == 1  # other constexprs: asked again
     made = []
-    assert T.stages_that_fit(big, (1,), lambda: made.append(1) or (), dict(num_stages=2, X=2), 0, "t") == 1 and made == [1]
-    assert T.stages_that_fit(big, (1,), lambda: made.append(1) or (), dict(num_stages=2, X=2), 0, "t") == 1 and made == [1]  # (cached: not built)
+    assert TUNING.stages_that_fit(big, (1,), lambda: made.append(1) or (), dict(num_stages=2, X=2), 0, "t") == 1 and made == [1]
+    assert TUNING.stages_that_fit(big, (1,), lambda: made.append(1) or (), dict(num_stages=2, X=2), 0, "t") == 1 and made == [1]  # (cached: not built)
     with pytest.raises(SharedMemoryError, match=r"needs 120000 bytes .* allows 101376"):
-        T.stages_that_fit(_FakeKernel({2: 200000, 1: 120000}), (1,), (), dict(num_stages=2), 0, "t")
+        TUNING.stages_that_fit(_FakeKernel({2: 200000, 1: 120000}), (1,), (), dict(num_stages=2), 0, "t")
     monkeypatch.setitem(TUNE, "shared_limit", 70000)
-    assert T.stages_that_fit(fits, (1,), (), dict(num_stages=3), 0, "t") == 2
+    assert TUNING.stages_that_fit(fits, (1,), (), dict(num_stages=3), 0, "t") == 2
     monkeypatch.setitem(TUNE, "shared_limit", 500000)  # above the device's: the device's
-    assert T.shared_limit(0) == 101376
+    assert TUNING.shared_limit(0) == 101376
     monkeypatch.setitem(TUNE, "shared_limit", -1)
     with pytest.raises(ValueError, match="shared_limit"):
-        T.shared_limit(0)
+        TUNING.shared_limit(0)
 
 
 SMALL_SHARED = [  # pages of 256 tokens (bf16 pages in two stages on the H200: 143,360 bytes of shared memory)
@@ -1220,7 +1220,7 @@ def test_decode_and_prefill_within_a_consumer_cards_shared_memory(case, monkeypa
     monkeypatch.setattr(prefill, "_prefill_fit", fit_spy)
     _prefill_within_budget((B, T, 9, Hq, Hkv, D, P, kw, [3 * b for b in range(B)], sp), dtype)
     assert len(launched) == 1 and 0 < launched[0][0] < P and launched[0][1] <= limit, launched  # a tile of the page
-    assert launched[0][2] <= T.SPILL_MAX, launched
+    assert launched[0][2] <= TUNING.SPILL_MAX, launched
 
 
 @pytest.mark.gpu
