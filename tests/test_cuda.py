@@ -205,9 +205,6 @@ def test_generate_with_graph_decoding_replays_graphs(pads, monkeypatch):
     """model.generate(custom_generate=graph_decoding) on CUDA: its decode steps come from CUDA
     graphs (over several seals), left-padded rows too (their padding as the kernel's start),
     with the logits and tokens of generate's own eager loop."""
-    from longctx import graph_decoding
-    from longctx.graphs import GraphDecoder
-
     model = tiny_llama(layers=3, heads=8, kv_heads=2, head_dim=64).to("cuda", torch.float32)
     ids = torch.randint(3, 128, (len(pads), 100), generator=torch.Generator().manual_seed(5)).cuda()
     mask = (torch.arange(100)[None, :] >= torch.tensor(pads)[:, None]).long().cuda()
@@ -561,8 +558,7 @@ def test_load_in_4bit_through_load_model_generates_with_paged_cache_and_graphs(t
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from longctx import graph_decoding, load_model
-    from longctx.graphs import GraphDecoder
+    from longctx import load_model
 
     words = Tokenizer(models.WordLevel(vocab={**{f"w{i}": i for i in range(127)}, "<unk>": 127}, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()  # (a tokenizer of the tiny model's 128 ids, for the folder)

@@ -576,8 +576,6 @@ def test_triton_prefill_with_padding_or_lse_reads_the_pages(monkeypatch):
 def test_in_kernel_merge_leaves_its_counters_at_zero(monkeypatch):
     """The last split of each head merges and resets its counter: a second call (and any
     other layer) reuses the buffer without clearing it, and gets the same result."""
-    from longctx.ops.paged_attention import triton as kernel
-
     _tune(monkeypatch, {"merge": "kernel"})
     cfg = KVConfig(bits=4, block_size=16)
     cache, _, _ = fill(cfg, 2, 200, 1, 2, 64, dtype=torch.float16, seed=3)
@@ -627,8 +625,6 @@ def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
     reference and the fp64 oracle (one row left-padded past its first splits, whose partials
     see no key), as the grid holds the flat merge; the counters end at zero, and a second
     call gives the same bits."""
-    from longctx.ops.paged_attention import triton as kernel
-
     _tune(monkeypatch, {"merge": "kernel", "merge_tree": tree, "merge_tree_from": 0})
     q, start, cache, k, v, cfg = _merge_case()
     view = _to(cache.view(0), DEVICE)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..rotation import fwht, hadamard_planes
 from .codes import BIASED, EXACT, TINY, codes16, codes_f16n, f16_codes, f32_codes, int2_f16, int2_rows_f16, int2_words_f16, pick_subtile
-from .codes import tiny_unit, v_words2
+from .codes import v_words2
 
 NEG_BIG = tl.constexpr(-1.0e30)
 LOG2E = tl.constexpr(1.4426950408889634)
