@@ -340,14 +340,17 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, s_side, qp0, qp1,
                  V_SUB: tl.constexpr, SIDE_PAGES: tl.constexpr, V_TRANSPOSED: tl.constexpr, ZERO_DOT: tl.constexpr, MASK: tl.constexpr,
                  TINY_CODES: tl.constexpr = False):
     """The sealed (quantized) blocks j0 .. j1 - 1 of a row's table (trow; ids [SIDE_PAGES]: the block
-    ids of the first step), SIDE_PAGES tiles of at most 64 tokens side by side a step (triton_tiles'
-    _side_*; a page of P > 64 tokens is P // 64 tiles, which share its K scales): each keeps its
-    own online softmax over the tiles it sees, and the SIDE_PAGES states fold into the program's (m_i,
-    l_i, accumulators) at the end; tokens before s_side ([1, rows, 1] or a scalar) are
-    masked; with ROTATE the sealed pages' share goes to the rotated
-    accumulators r0..r3. MASK False (the launcher's rule, TUNE["side_unmasked"]: one page a
-    step and no left padding, where no score is masked) leaves out the masking. TINY_CODES: K's
-    and V's codes go into their dots as fp16 subnormals (K16 1 and V_TRANSPOSED only)."""
+    ids of the first step), SIDE_PAGES tiles of at most 64 tokens side by side a step (tiles.py's
+    side_*; a page of P > 64 tokens is P // 64 tiles, which share its K scales): each keeps its
+    own online softmax over the tiles it sees, and the SIDE_PAGES states fold into the program's
+    (m_i, l_i, accumulators) at the end; tokens before s_side ([1, rows, 1] or a scalar) are
+    masked; with ROTATE the sealed pages' share goes to the rotated accumulators r0..r3. MASK
+    False (the launcher's rule: one page a step, no left padding and at most 4 bits, where no
+    score is masked and leaving the masking out measured faster) leaves out the masking.
+    K16 1 folds K's scales into the query (16-bit inputs; 0: fp32); V_TRANSPOSED takes V as the
+    dots' first operand with its scales folded into the probabilities, ZERO_DOT its zero-point
+    term as a dot. TINY_CODES: K's and V's codes go into their dots as fp16 subnormals (K16 1 and
+    V_TRANSPOSED only)."""
     DK: tl.constexpr = D // K_SUB
     DV: tl.constexpr = D // V_SUB
     NG: tl.constexpr = D // GS
