@@ -20,8 +20,8 @@ TRITON_OPTIONS = dict(enable_fp_fusion=True)
 def resolve_backend(backend: str, q: torch.Tensor, head_dim: int | None = None, storage: bool = False) -> str:
     """"auto" -> "triton" for CUDA tensors when triton imports and the kernels serve the
     shape (a power-of-two head_dim of at least 64: their tiles are powers of two, and at 32
-    the 4- and 2-bit decode loops' dots and the 2-bit rotated gather do not compile on an H200,
-    head_dim 32 does not compile), else "reference".
+    the 4- and 2-bit decode loops' dots and the 2-bit rotated gather do not compile on an H200),
+    else "reference".
     storage: the op stores or reads pages for the cache (sealing, gathering) rather than
     attending; "flex" and "flash" are attention backends only, so those ops take "auto"'s
     choice."""
