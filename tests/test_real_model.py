@@ -176,6 +176,7 @@ def test_a_gguf_converts_once_then_loads_its_kept_copy(smol, tmp_path, monkeypat
     """The first load of a GGUF keeps a converted copy (config, safetensors, tokenizer) under the
     cache directory, keyed by the file's hash; the next load reads it without touching the GGUF
     reader, and gives the same model and tokenizer."""
+    import longctx.models
     from longctx import gguf_files
     from longctx.models import embedded_gguf
 
@@ -188,7 +189,7 @@ def test_a_gguf_converts_once_then_loads_its_kept_copy(smol, tmp_path, monkeypat
     def no_gguf(*a, **k):
         raise AssertionError("the GGUF was read again")
 
-    monkeypatch.setattr(gguf_files, "check_gguf", no_gguf)
+    monkeypatch.setattr(longctx.models, "check_gguf", no_gguf)  # (where load_model looks it up)
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", no_gguf)
