@@ -380,11 +380,7 @@ def _decode_shared(st: Setup, view: PagedView, start, scale, R: int, capturing: 
     of both launches' partials. -> (out [B, H_q, 1, D], lse [B, H_q, 1])."""
     q = st.q
     B, Hq, D = q.shape
-    c = min(view.shared, st.n_blocks)
-    st_s = st._replace(n_blocks=c, n_sink=min(st.n_sink, c), tail_len=0, total=c)
-    view_s = dataclasses.replace(view, tail_k=view.tail_k[:, :, :0], tail_v=view.tail_v[:, :, :0], tail_len=None, n_blocks=None)
-    plans = [_cached_plan((key, name, R, c), s, v, start, scale, None, capturing, part)
-             for name, s, v, part in (("shared", st_s, view_s, _Part(R, 0)), ("rest", st, view, _Part(1, c)))]
+    c, st_s, view_s, plans = _shared_plans(st, view, start, scale, R, capturing, key)
     S = plans[0].splits + plans[1].splits
     o = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
@@ -400,6 +396,17 @@ def _decode_shared(st: Setup, view: PagedView, start, scale, R: int, capturing: 
         merge = _PLANS[mk] = merge_shape(B, Hq, D, st.sm, S)
     merge_launch(o, lse, out, lout, S, merge)
     return out, lout
+
+
+def _shared_plans(st: Setup, view: PagedView, start, scale, R: int, capturing: bool, key):
+    """The two launches of `_decode_shared`: (c, the shared blocks' setup and view, [their plan,
+    the rest's plan]), c the blocks the rows share (the first launch reads no tail)."""
+    c = min(view.shared, st.n_blocks)
+    st_s = st._replace(n_blocks=c, n_sink=min(st.n_sink, c), tail_len=0, total=c)
+    view_s = dataclasses.replace(view, tail_k=view.tail_k[:, :, :0], tail_v=view.tail_v[:, :, :0], tail_len=None, n_blocks=None)
+    plans = [_cached_plan((key, name, R, c), s, v, start, scale, None, capturing, part)
+             for name, s, v, part in (("shared", st_s, view_s, _Part(R, 0)), ("rest", st, view, _Part(1, c)))]
+    return c, st_s, view_s, plans
 
 
 def _cached_plan(key, st: Setup, view: PagedView, start, scale, splits, capturing: bool, part: _Part | None = None) -> Plan:
@@ -427,11 +434,7 @@ def decode_plans(q, view: PagedView, start=None, scale: float | None = None, spl
     key = _plan_key(st, q, view, start, splits, capturing)
     R = _shared_rows_of(q, view, st, splits)
     if R > 1:
-        c = min(view.shared, st.n_blocks)
-        st_s = st._replace(n_blocks=c, n_sink=min(st.n_sink, c), tail_len=0, total=c)
-        view_s = dataclasses.replace(view, tail_k=view.tail_k[:, :, :0], tail_v=view.tail_v[:, :, :0], tail_len=None, n_blocks=None)
-        return [_cached_plan((key, name, R, c), s, v, start, scale, None, capturing, part)
-                for name, s, v, part in (("shared", st_s, view_s, _Part(R, 0)), ("rest", st, view, _Part(1, c)))]
+        return _shared_plans(st, view, start, scale, R, capturing, key)[3]
     return [_cached_plan(key, st, view, start, scale, splits, capturing)]
 
 
