@@ -1,13 +1,17 @@
 """Block ids, free lists, reference counts, tiers and block tables. Pure Python: no torch.
 
 The paged cache stores KV in fixed-size blocks. This module decides *which* block ids hold
-what; `cache.py` owns the tensors those ids index. Two allocators back one table: logical
-blocks below `sink_blocks` come from the sink allocator (unquantized pages), the rest from
-the main one (quantized pages).
+what; `cache.py` owns the tensors those ids index. Each allocator is one id space over one
+pool: logical blocks below `sink_blocks` come from the sink allocator (unquantized pages),
+the sealed blocks from the device allocator (quantized pages in GPU memory) or, for the
+oldest ones once a host tier exists, from the host allocator (the same pages in pinned host
+memory). A table column is in one tier for every row: columns [sink_blocks, host_upto) are
+the host's, the later ones the device's (`BlockTables.spill` moves the oldest device columns).
 
 Invariants (checked by `BlockTables.check`, property-tested in tests/test_allocator.py):
 - a block's refcount equals the number of table entries that hold it;
-- a block is free exactly when its refcount is 0, and is freed exactly once.
+- a block is free exactly when its refcount is 0, and is freed exactly once;
+- every id of a column comes from the allocator of that column's tier.
 """
 
 from __future__ import annotations
@@ -18,50 +22,44 @@ from collections.abc import Iterable, Sequence
 
 from .errors import CacheFullError
 
-TIERS = ("gpu", "host")
-
-
 class BlockAllocator:
-    """Hands out block ids with reference counts; every id carries a tier.
+    """Hands out block ids with reference counts.
 
     Ids are reused lowest-first so pools stay compact. `max_blocks` caps the ids in use
-    per tier (None: no cap); `allocate` is all-or-nothing.
+    (None: no cap); `allocate` is all-or-nothing.
     """
 
     def __init__(self, max_blocks: int | None = None, name: str = "blocks"):
         self.max_blocks = max_blocks
         self.name = name
         self._refs: list[int] = []  # _refs[block id] -> number of table entries holding it
-        self._tier: list[str] = []  # _tier[block id] -> "gpu" | "host"
         self._free: list[int] = []  # heap of free ids below capacity
-        self._used = Counter()  # tier -> ids in use
+        self._used = 0
 
     @property
     def capacity(self) -> int:
         """Number of ids ever created (the pool tensors need this many slots)."""
         return len(self._refs)
 
-    def num_used(self, tier: str | None = None) -> int:
-        return sum(self._used.values()) if tier is None else self._used[tier]
+    def num_used(self) -> int:
+        return self._used
 
-    def num_available(self, tier: str = "gpu") -> int | None:
-        """Ids that can still be allocated in `tier`; None when there is no cap."""
+    def num_available(self) -> int | None:
+        """Ids that can still be allocated; None when there is no cap."""
         if self.max_blocks is None:
             return None
-        return self.max_blocks - self._used[tier]
+        return self.max_blocks - self._used
 
-    def allocate(self, n: int, tier: str = "gpu") -> list[int]:
+    def allocate(self, n: int) -> list[int]:
         """Return `n` ids, each with refcount 1; raises CacheFullError and changes nothing
         if they do not all fit."""
-        if tier not in TIERS:
-            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        available = self.num_available(tier)
+        available = self.num_available()
         if available is not None and n > available:
             raise CacheFullError(
                 f"{self.name}: {n} more blocks needed but only {available} of "
-                f"max_blocks={self.max_blocks} are free in tier {tier!r}",
+                f"max_blocks={self.max_blocks} are free",
             )
         ids = []
         for _ in range(n):
@@ -70,11 +68,9 @@ class BlockAllocator:
             else:
                 bid = len(self._refs)
                 self._refs.append(0)
-                self._tier.append(tier)
             self._refs[bid] = 1
-            self._tier[bid] = tier
             ids.append(bid)
-        self._used[tier] += n
+        self._used += n
         return ids
 
     def incref(self, bid: int) -> None:
@@ -89,24 +85,12 @@ class BlockAllocator:
         self._refs[bid] -= 1
         if self._refs[bid] == 0:
             heapq.heappush(self._free, bid)
-            self._used[self._tier[bid]] -= 1
+            self._used -= 1
             return True
         return False
 
     def refcount(self, bid: int) -> int:
         return self._refs[bid]
-
-    def tier(self, bid: int) -> str:
-        return self._tier[bid]
-
-    def set_tier(self, bid: int, tier: str) -> None:
-        if tier not in TIERS:
-            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
-        if self._refs[bid] <= 0:
-            raise RuntimeError(f"{self.name}: cannot move free block {bid}")
-        self._used[self._tier[bid]] -= 1
-        self._used[tier] += 1
-        self._tier[bid] = tier
 
     def used_ids(self) -> list[int]:
         return [bid for bid, r in enumerate(self._refs) if r > 0]
@@ -120,10 +104,14 @@ class BlockTables:
     blocks (rows of one batch share a length; padding is expressed by attention).
     """
 
-    def __init__(self, sinks: BlockAllocator, blocks: BlockAllocator, sink_blocks: int):
+    def __init__(self, sinks: BlockAllocator, blocks: BlockAllocator, sink_blocks: int, host: BlockAllocator | None = None):
         self.sinks = sinks
         self.blocks = blocks
+        self.host = host
         self.sink_blocks = sink_blocks
+        # logical blocks [sink_blocks, host_upto) of every row are in the host tier (ids of
+        # `host`), the later ones on the device (ids of `blocks`)
+        self.host_upto = sink_blocks
         self.rows: list[list[int]] = []
         # leading logical blocks that every row holds alike (the same ids): a prompt's blocks
         # under its beams. A reorder leaves their references as they are (`select`), so a
@@ -136,7 +124,42 @@ class BlockTables:
         self._run_common = 0
 
     def allocator_for(self, logical: int) -> BlockAllocator:
-        return self.sinks if logical < self.sink_blocks else self.blocks
+        if logical < self.sink_blocks:
+            return self.sinks
+        return self.host if logical < self.host_upto else self.blocks
+
+    @property
+    def host_columns(self) -> int:
+        """Logical blocks of each row in the host tier (they follow the sinks)."""
+        return self.host_upto - self.sink_blocks
+
+    def spill(self, n: int) -> list[tuple[int, int]]:
+        """Move the oldest `n` device columns (logical blocks host_upto .. host_upto + n - 1 of
+        every row) to the host tier: each distinct device id gets a host id holding as many
+        references, and is freed. Returns the (device id, host id) pairs whose bytes the
+        caller copies before the device ids are written again. All or nothing: raises
+        CacheFullError, changing nothing, when the host ids do not all fit."""
+        if self.host is None:
+            raise RuntimeError("spill: these tables have no host tier")
+        lo = self.host_upto
+        if not 0 <= n <= max(0, self.num_blocks - lo):
+            raise ValueError(f"spill: {n} columns asked, {max(0, self.num_blocks - lo)} device columns held")
+        moved: dict[int, int] = {}  # device id -> host id
+        cols = [sorted({row[j] for row in self.rows}) for j in range(lo, lo + n)]
+        host_ids = iter(self.host.allocate(sum(map(len, cols))))
+        for col in cols:
+            for bid in col:
+                moved[bid] = next(host_ids)
+        for bid, hid in moved.items():  # (an id sits in one column: its references are that column's)
+            for _ in range(self.blocks.refcount(bid) - 1):
+                self.host.incref(hid)
+        for row in self.rows:
+            for j in range(lo, lo + n):
+                bid = row[j]
+                row[j] = moved[bid]
+                self.blocks.decref(bid)
+        self.host_upto = lo + n
+        return sorted(moved.items())
 
     @property
     def num_rows(self) -> int:
@@ -146,6 +169,11 @@ class BlockTables:
     def num_blocks(self) -> int:
         """Logical blocks per row."""
         return len(self.rows[0]) if self.rows else 0
+
+    @property
+    def common(self) -> int:
+        """The leading logical blocks every row holds alike (the same ids)."""
+        return self._common
 
     @property
     def shared_runs(self) -> tuple[int, int]:
@@ -210,16 +238,17 @@ class BlockTables:
                 raise IndexError(f"row {i} out of range for {self.num_rows} rows")
         old, c = self.rows, self._common
         new_rows = [list(old[i]) for i in indices]
-        change: Counter = Counter()  # (allocator is the sinks', id) -> references gained (lost: < 0)
+        change: Counter = Counter()  # (tier: 0 sinks, 1 host, 2 device; id) -> references gained (lost: < 0)
         if len(new_rows) != len(old):
             for j, bid in enumerate(old[0][:c]):
-                change[j < self.sink_blocks, bid] += len(new_rows) - len(old)
+                change[self._tier_of(j), bid] += len(new_rows) - len(old)
         for rows, sign in ((new_rows, 1), (old, -1)):
             for row in rows:
                 for j in range(c, len(row)):
-                    change[j < self.sink_blocks, row[j]] += sign
+                    change[self._tier_of(j), row[j]] += sign
+        allocs = (self.sinks, self.host, self.blocks)
         for key, n in sorted(change.items(), key=lambda kv: -kv[1]):  # (gains before losses)
-            alloc = self.sinks if key[0] else self.blocks
+            alloc = allocs[key[0]]
             for _ in range(abs(n)):
                 if n > 0:
                     alloc.incref(key[1])
@@ -228,6 +257,9 @@ class BlockTables:
         self.rows = new_rows
         self._common = self._common_from(c if new_rows else 0)
         self._run, self._run_common = self._runs_after(indices, len(old))
+
+    def _tier_of(self, logical: int) -> int:
+        return 0 if logical < self.sink_blocks else 1 if logical < self.host_upto else 2
 
     def _runs_after(self, indices: list[int], old_rows: int) -> tuple[int, int]:
         """Runs of the rows a select made (`shared_runs`): k copies of each old row in turn
@@ -258,12 +290,14 @@ class BlockTables:
             for j, bid in enumerate(gone, start=n_blocks):
                 self.allocator_for(j).decref(bid)
             del row[n_blocks:]
+        self.host_upto = max(self.sink_blocks, min(self.host_upto, n_blocks))
         self._common = min(self._common, n_blocks)
         self._run_common = min(self._run_common, n_blocks)
 
     def clear(self) -> None:
         self._release(self.rows)
         self.rows = []
+        self.host_upto = self.sink_blocks
         self._common = 0
         self._run, self._run_common = 0, 0
 
@@ -272,13 +306,14 @@ class BlockTables:
             for j, bid in enumerate(row):
                 self.allocator_for(j).decref(bid)
 
-    def unique_ids(self) -> tuple[set[int], set[int]]:
-        """(sink ids, block ids) held by any row."""
-        sink_ids, block_ids = set(), set()
+    def unique_ids(self) -> tuple[set[int], set[int], set[int]]:
+        """(sink ids, device block ids, host block ids) held by any row."""
+        sink_ids, block_ids, host_ids = set(), set(), set()
         for row in self.rows:
             sink_ids.update(row[: self.sink_blocks])
-            block_ids.update(row[self.sink_blocks :])
-        return sink_ids, block_ids
+            host_ids.update(row[self.sink_blocks : self.host_upto])
+            block_ids.update(row[self.host_upto :])
+        return sink_ids, block_ids, host_ids
 
     def check(self) -> None:
         """Raise AssertionError unless every refcount equals the entries holding it, and the
@@ -288,7 +323,12 @@ class BlockTables:
         run = self._run
         assert (run == 0) == (not self.rows) and (not run or self.num_rows % run == 0), f"runs of {run} rows in {self.num_rows}"
         assert self._run_common == self._runs_from(run, 0), f"{self._run_common} leading blocks recorded as held by each run of {run} rows"
-        for alloc, lo, hi in ((self.sinks, 0, self.sink_blocks), (self.blocks, self.sink_blocks, None)):
+        assert self.sink_blocks <= self.host_upto <= max(self.sink_blocks, self.num_blocks), f"host columns end at {self.host_upto}"
+        assert self.host is not None or self.host_upto == self.sink_blocks, "host columns without a host allocator"
+        tiers = [(self.sinks, 0, self.sink_blocks), (self.blocks, self.host_upto, None)]
+        if self.host is not None:
+            tiers.append((self.host, self.sink_blocks, self.host_upto))
+        for alloc, lo, hi in tiers:
             held = Counter(bid for row in self.rows for bid in row[lo:hi])
             for bid in range(alloc.capacity):
                 assert alloc.refcount(bid) == held.get(bid, 0), (

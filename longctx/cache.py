@@ -26,8 +26,10 @@ from .allocator import BlockAllocator, BlockTables
 from .config import KVConfig
 from .errors import CacheFullError
 from .memory import MemoryReport, memory_report
+from .offload import HostTier, check_host_budget
 from .ops.gather_dequant import gather_dequant
 from .ops.paged_attention import paged_attention
+from .ops.paged_attention.reference import merge_partials
 from .ops.pages import Pages, PagedView
 from .ops.quantize_blocks import quantize_blocks_into
 from .quant import BlockFormat
@@ -97,7 +99,17 @@ class PagedKVCache:
         self.block_size = self.config.block_size
         self.sink_alloc = BlockAllocator(None, "sink blocks")
         self.block_alloc = BlockAllocator(self.config.max_blocks, "blocks")
-        self.tables = BlockTables(self.sink_alloc, self.block_alloc, self.config.sink_blocks)
+        hb = self.config.host_blocks
+        self.host_alloc = BlockAllocator(hb, "host blocks") if hb else None
+        self.tables = BlockTables(self.sink_alloc, self.block_alloc, self.config.sink_blocks, self.host_alloc)
+        self.host: HostTier | None = None  # the host tier's pools and staging (host_blocks > 0)
+        if hb:
+            e = 4 if self.config.dtype == "float32" else 2  # ("auto": a 16-bit model's scales)
+            per_block = sum(sum(BlockFormat(*self.config.layer_bits(l), self.block_size, self.config.group_size, head_dim,
+                                            num_kv_heads, torch.float32 if e == 4 else torch.float16).block_bytes().values())
+                            for l in range(num_layers))
+            check_host_budget(hb * per_block, f"KVConfig.host_blocks={hb}")
+            self.host = HostTier(self, hb, self.config.stage_blocks)
         self.tail_len = [0] * num_layers  # tail_len[layer] -> tokens in that layer's tail
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
@@ -250,10 +262,13 @@ class PagedKVCache:
         self._ensure_tail_capacity(self.tail_len[0] + new_tokens)
 
     def _blocks_possible(self) -> int:
-        """Most logical blocks a row can reach, if every new block were shared by all rows."""
+        """Most logical blocks a row can reach, if every new block were shared by all rows
+        (with a host tier: the device's free blocks and the host's)."""
         avail = self.block_alloc.num_available()
         if avail is None:
             return 1 << 62
+        if self.host_alloc is not None:
+            avail += self.host_alloc.num_available()
         return max(self.num_blocks, self.config.sink_blocks) + avail
 
     def tokens_that_fit(self) -> int:
@@ -267,9 +282,10 @@ class PagedKVCache:
         would need more blocks than the pools may hold."""
         needed = (self.seq_len() + new_tokens) // self.block_size
         if needed > self._blocks_possible():
+            host = f" and host_blocks={self.config.host_blocks}" if self.host_alloc is not None else ""
             raise CacheFullError(
                 f"cache full: {new_tokens} new tokens need {needed} blocks per row, but max_blocks="
-                f"{self.config.max_blocks} allows {self._blocks_possible()}; {self.tokens_that_fit()} more "
+                f"{self.config.max_blocks}{host} allow {self._blocks_possible()}; {self.tokens_that_fit()} more "
                 f"tokens fit (now {self.seq_len()} per row). Nothing was lost.",
                 self.tokens_that_fit(),
             )
@@ -322,6 +338,13 @@ class PagedKVCache:
         n_sink_new = sum(len(g) for j, g in enumerate(plan) if nb0 + j < self.config.sink_blocks)
         n_quant_new = sum(len(g) for j, g in enumerate(plan) if nb0 + j >= self.config.sink_blocks)
         avail = self.block_alloc.num_available()
+        if avail is not None and n_quant_new > avail and self.host is not None:
+            if n_quant_new > self.config.max_blocks:
+                raise ValueError(
+                    f"sealing needs {n_quant_new} device blocks at once, more than max_blocks={self.config.max_blocks} "
+                    f"hold; append fewer tokens a step (chunks of at most {self.config.max_blocks // self.batch_size * P} "
+                    "tokens a row). Nothing was lost.")
+            avail += self._spill(n_quant_new - avail)
         if avail is not None and n_quant_new > avail:
             raise CacheFullError(
                 f"cache full: sealing needs {n_quant_new} blocks, {avail} of max_blocks={self.config.max_blocks} "
@@ -378,17 +401,44 @@ class PagedKVCache:
         self.tail_len = [rest] * self.num_layers
         self.seals += n_sink_new + n_quant_new
         old, self._table_tensor = self._table_tensor, None
-        if old is not None and tuple(old.shape) == (len(self.tables.rows), nb0):  # append the n new columns
+        hc = self.tables.host_columns  # (device tables skip the host columns)
+        if old is not None and tuple(old.shape) == (len(self.tables.rows), nb0 - hc):  # append the n new columns
             new = _index([row[nb0:] for row in self.tables.rows], self.device, torch.int32).reshape(len(self.tables.rows), n)
             self._table_tensor = torch.cat([old, new], 1)
         if self.device_step is not None:  # the recorded steps' table: the new columns in place, or dropped when full
-            step, nb = self.device_step, self.num_blocks
+            step, nb = self.device_step, self.num_blocks - hc
             if nb <= step.table.shape[1]:
-                step.table[:, nb0:nb] = self.block_table()[:, nb0:nb]
+                step.table[:, nb0 - hc : nb] = self.block_table()[:, nb0 - hc : nb]
                 step.count.fill_(nb)
             else:
                 self.device_step = None
         return n
+
+    def _spill(self, need: int) -> int:
+        """Move the oldest device columns to the host tier until `need` device blocks are free,
+        and a spill's worth more (1/16 of max_blocks) so that spills, and the graph
+        recordings they end, stay rare. Returns the device blocks freed: fewer than `need`
+        when the device holds too few sealed columns or the host tier is full (nothing moved
+        then)."""
+        t = self.tables
+        want = need + max(1, self.config.max_blocks // 16)
+        cols = freed = 0
+        for j in range(t.host_upto, t.num_blocks):
+            if freed >= want:
+                break
+            freed += len({row[j] for row in t.rows})
+            cols += 1
+        host_free = self.host_alloc.num_available()
+        while cols and freed > host_free:  # (spill less, if that much does not fit the host)
+            cols -= 1
+            freed -= len({row[t.host_upto + cols] for row in t.rows})
+        if freed < need:
+            return 0
+        self.host.prepare()  # (a failed pinned allocation raises here: nothing moved)
+        self.host.store(t.spill(cols))
+        self._table_tensor = None
+        self.device_step = None
+        return freed
 
     def _quantize_into(self, sel: list[tuple[int, int]], ids: list[int], blocks_k: torch.Tensor, blocks_v: torch.Tensor) -> None:
         """Quantize the tail blocks sel = [(logical block j, row r)] of every layer into the
@@ -405,10 +455,13 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ read
     def block_table(self) -> torch.Tensor:
-        """int32 [B, n_blocks]: logical block -> physical id (sink ids for j < sink_blocks)."""
+        """int32 [B, n]: the device-resident blocks of each row: the sinks' ids (sink_blocks
+        columns, or fewer while the rows are shorter), then the device pages' ids; with a host
+        tier the host columns between them are left out (n = num_blocks - host columns)."""
         if self._table_tensor is None:
-            rows = self.tables.rows
-            self._table_tensor = _index(rows, self.device, torch.int32).reshape(len(rows), self.num_blocks)
+            t = self.tables
+            rows = [row[: t.sink_blocks] + row[t.host_upto :] for row in t.rows] if t.host_columns else t.rows
+            self._table_tensor = _index(rows, self.device, torch.int32).reshape(len(rows), self.num_blocks - t.host_columns)
         return self._table_tensor
 
     @contextlib.contextmanager
@@ -451,7 +504,7 @@ class PagedKVCache:
         rows moves its rows in place. When it is full, when the row count changes, and on a
         crop or reset, it is dropped and the next call makes a new one (so does a graph
         decoder: a new table is a new recording)."""
-        nb = self.num_blocks
+        nb = self.num_blocks - self.tables.host_columns
         if self.device_step is None:
             width = max(1, nb + max(GRAPH_ROOM[0], nb // GRAPH_ROOM[1]))
             with torch.inference_mode(False):  # (plain tensors: seals write them in or out of inference mode)
@@ -463,39 +516,60 @@ class PagedKVCache:
         return self.device_step.table, self.device_step.count
 
     def view(self, layer: int) -> PagedView:
+        """The device-resident part of `layer`: sinks, device pages (`block_table`) and tail.
+        Without host columns that is the whole sequence at its positions; with them, the view
+        skips them (`attend` shifts `start` to match and merges the host part)."""
         # (a recorded step: the graph table and its count, the tail's block of slots and its
         # length, all on the device; the kernel clamps the sinks to the count)
         step = self.device_step
         static = step is not None and step.recording
         t = self.block_size if static else self.tail_len[layer]
         table, count = (step.table, step.count) if static else (self.block_table(), None)
+        S, hc = self.config.sink_blocks, self.tables.host_columns
+        shared = self.tables.shared_runs[1]
         return PagedView(
             pages=self.pages[layer],
             sink_k=self.sink_k[layer],
             sink_v=self.sink_v[layer],
             block_table=table,
-            n_sink=self.config.sink_blocks if static else min(self.config.sink_blocks, self.num_blocks),
+            n_sink=S if static else min(S, self.num_blocks),
             tail_k=self.tail_k[layer, :, :, :t],
             tail_v=self.tail_v[layer, :, :, :t],
             tail_len=step.length if static else None,
             n_blocks=count,
-            shared=self.tables.shared_runs[1],
+            shared=shared if shared <= S or not hc else S + max(0, shared - S - hc),
             shared_run=self.tables.shared_runs[0],
         )
 
     def attend(self, layer: int, q: torch.Tensor, start: torch.Tensor | None = None, scale: float | None = None, return_lse: bool = True):
         """Attention of q [B, H_q, C, D] (the last C tokens of `layer`) over this layer's
         pages and tail: (out [B, H_q, C, D], lse [B, H_q, C]). start: each row's first
-        attended position (None: 0, or within `static_step` the start it was given)."""
+        attended position (None: 0, or within `static_step` the start it was given). With host
+        columns: the device part (its view skips them, so `start` moves with the positions)
+        and the host tier's slices, merged by LSE (exact up to fp32 rounding)."""
         if start is None and self.device_step is not None and self.device_step.recording:
             start = self.device_step.start
-        return paged_attention(q, self.view(layer), start=start, scale=scale, backend=self.config.backend, return_lse=return_lse)
+        hc = self.tables.host_columns
+        if not hc:
+            return paged_attention(q, self.view(layer), start=start, scale=scale, backend=self.config.backend, return_lse=return_lse)
+        P, S = self.block_size, self.config.sink_blocks
+        moved = None if start is None else torch.where(start < S * P, start, (start - hc * P).clamp(min=S * P)).to(start.dtype)
+        parts = [paged_attention(q, self.view(layer), start=moved, scale=scale, backend=self.config.backend)]
+        backend = "auto" if self.config.backend in ("flex", "flash") else self.config.backend  # (host slices have no tail)
+        parts += self.host.parts(layer, q, start, scale, backend)
+        out, lse = merge_partials(parts)
+        return out.to(q.dtype), (lse if return_lse else None)
 
     def dense(self, layer: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """All of `layer`'s keys and values, dequantized: [B, H_kv, seq_len(layer), D]."""
         view = self.view(layer)
         dtype = dtype or self.dtype
         k, v = gather_dequant(view, out_dtype=dtype)
+        t = self.tables
+        if t.host_columns:  # (the host columns go between the sinks and the device pages)
+            hk, hv = gather_dequant(self.host.columns(layer, t.sink_blocks, t.host_upto), out_dtype=dtype)
+            n = t.sink_blocks * self.block_size
+            k, v = torch.cat([k[:, :, :n], hk, k[:, :, n:]], 2), torch.cat([v[:, :, :n], hv, v[:, :, n:]], 2)
         return torch.cat([k, view.tail_k.to(dtype)], 2), torch.cat([v, view.tail_v.to(dtype)], 2)
 
     # ------------------------------------------------------------------ rows
@@ -511,8 +585,10 @@ class PagedKVCache:
         picked = idx.tolist()  # (one read back where the indices are on the device: beam search's, every step)
         if picked == list(range(self.batch_size)):
             return
-        runs = self.tables.shared_runs
+        runs, rows = self.tables.shared_runs, self.batch_size
         self.tables.select(picked)
+        if self.host is not None and (len(picked) != rows or self.tables.common < self.tables.host_upto):
+            self.host.invalidate()  # (the rows' host columns changed, unless every row holds them alike)
         idx = idx.to(self.device)
         if self._table_tensor is not None:  # (its rows follow on the device: rebuilt from the host's lists, 2,048 ids cost ~0.3 ms of host time)
             self._table_tensor = self._table_tensor.index_select(0, idx)
@@ -560,18 +636,26 @@ class PagedKVCache:
             self.tail_len = [max_len - nb * P] * self.num_layers
             return
         keep_blocks, keep = divmod(max_len, P)
-        if keep:
+        if keep:  # (the cut block alone, read from its tier)
+            t, j = self.tables, keep_blocks
             for l in range(self.num_layers):
-                view = self.view(l)
-                view.block_table = view.block_table[:, : keep_blocks + 1]
-                view.n_sink = min(self.config.sink_blocks, keep_blocks + 1)
+                if t.sink_blocks <= j < t.host_upto:
+                    view = self.host.columns(l, j, j + 1)
+                else:
+                    view = self.view(l)
+                    c = j if j < t.sink_blocks else j - t.host_columns
+                    view.block_table = view.block_table[:, c : c + 1]
+                    view.n_sink = int(j < t.sink_blocks)
+                    view.shared = 0
                 k, v = gather_dequant(view, out_dtype=self.dtype)
-                self.tail_k[l, :, :, :keep] = k[:, :, keep_blocks * P : max_len]
-                self.tail_v[l, :, :, :keep] = v[:, :, keep_blocks * P : max_len]
+                self.tail_k[l, :, :, :keep] = k[:, :, :keep]
+                self.tail_v[l, :, :, :keep] = v[:, :, :keep]
         self.tables.truncate(keep_blocks)
         self.tail_len = [keep] * self.num_layers
         self._table_tensor = None
         self.device_step = None
+        if self.host is not None:
+            self.host.invalidate()
 
     def reset(self) -> None:
         """Drop every row and token; pools keep their memory for reuse."""
@@ -579,6 +663,8 @@ class PagedKVCache:
         self.tail_len = [0] * self.num_layers
         self._table_tensor = None
         self.device_step = None
+        if self.host is not None:
+            self.host.invalidate()
 
     # ------------------------------------------------------------------ report
     @_storage_op

@@ -49,10 +49,17 @@ class KVConfig:
     layers_16bit: decoder layers whose pages stay unquantized.
     dtype:       dtype of unquantized data (tails, sinks, 16-bit pages) and of scales;
                  "auto" takes the model's dtype for K/V.
-    max_blocks:  cap on quantized pages per tier (None: grow as needed, by doubling). Set,
-                 the pools are allocated at this size when the first block is sealed and
-                 never copied later; reaching it raises `CacheFullError`, which says how
+    max_blocks:  cap on quantized pages in device memory (None: grow as needed, by
+                 doubling). Set, the pools are allocated at this size when the first block
+                 is sealed and never copied later; reaching it spills the oldest pages to
+                 the host tier if there is one, else raises `CacheFullError`, which says how
                  many tokens still fit. `longctx plan --json` gives the value per format.
+    host_blocks: pages the host tier may hold in pinned host memory (0: no host tier).
+                 Needs max_blocks: when the device pools are full, the oldest sealed pages
+                 move to host; attention reads them every step through a staging area and
+                 merges by LSE (exact). `longctx plan --host-mem` gives the value.
+    stage_blocks: pages a staging slice holds on the device (two slices are allocated);
+                 None: as many as fit in 128 MiB of one layer's pages.
     backend:     attention backend: "reference" (torch), "triton" (fused kernels; prefill
                  chunks read the pages in place or stage the past, then SDPA), "flex"
                  (FlexAttention over 16-bit pages only, for comparison), "flash" (the past
@@ -71,6 +78,8 @@ class KVConfig:
     layers_16bit: tuple[int, ...] = field(default_factory=tuple)
     dtype: str = "auto"
     max_blocks: int | None = None
+    host_blocks: int = 0
+    stage_blocks: int | None = None
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -104,6 +113,14 @@ class KVConfig:
         mb = self.max_blocks
         if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
             _fail("max_blocks", mb, "a positive integer, or None for no limit")
+        hb = self.host_blocks
+        if isinstance(hb, bool) or not isinstance(hb, int) or hb < 0:
+            _fail("host_blocks", hb, "an integer >= 0 (0: no host tier)")
+        if hb and mb is None:
+            _fail("host_blocks", hb, "a host tier needs max_blocks, the device pages that spill to it when full")
+        st = self.stage_blocks
+        if st is not None and (isinstance(st, bool) or not isinstance(st, int) or st < 1):
+            _fail("stage_blocks", st, "a positive integer, or None for the default")
         if self.backend not in ALLOWED_BACKENDS:
             _fail("backend", self.backend, f"one of {', '.join(ALLOWED_BACKENDS)}")
 

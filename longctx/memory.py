@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 class MemoryReport:
     """What the cache holds. Bytes count stored data: sealed blocks (codes, scales, 16-bit
     pages), sink blocks and the tail tokens held; `reserved_bytes` is what the tensors
-    occupy, growth slack and tail capacity included."""
+    occupy on the compute device (growth slack, tail capacity and staging included), and
+    `host_reserved_bytes` what the host tier pins."""
 
     tokens: int  # per row
     rows: int
@@ -21,12 +22,13 @@ class MemoryReport:
     bytes_by_kind: dict[str, int]  # codes, scales, dense_pages, sinks, tails
     bytes_by_tier: dict[str, int]  # "device" (the compute device's memory: `device` names it) and "host"
     total_bytes: int
-    reserved_bytes: int
+    reserved_bytes: int  # on the compute device (pools, sinks, tails, staging)
     bytes_per_token: float  # total_bytes / (rows * tokens)
     bf16_bytes_per_token: int  # a bf16 cache of the same model: K and V, all layers
     device: str = ""
     format: str = ""
     layers: int = 0
+    host_reserved_bytes: int = 0  # the host tier's pinned pools
 
     @property
     def ratio_to_bf16(self) -> float:
@@ -45,7 +47,8 @@ class MemoryReport:
         tiers = ", ".join(f"{self.device if tier == 'device' else tier} {_mib(n)}" for tier, n in self.bytes_by_tier.items() if n)
         return (f"KV cache ({self.format}, {self.layers} layers): {self.tokens:,} tokens x {self.rows} row{'s' * (self.rows != 1)}\n"
                 f"  blocks: {self.blocks['sink']} sink, {self.blocks['quantized']} quantized, {self.blocks['dense']} 16-bit\n"
-                f"  holds {_mib(self.total_bytes)} ({kinds}) on {tiers}; reserves {_mib(self.reserved_bytes)}\n"
+                f"  holds {_mib(self.total_bytes)} ({kinds}) on {tiers}; reserves {_mib(self.reserved_bytes)}"
+                + (f" + {_mib(self.host_reserved_bytes)} pinned host" if self.host_reserved_bytes else "") + "\n"
                 f"  {self.bytes_per_token:,.0f} bytes a token, {self.ratio_to_bf16:.3f}x a bf16 cache's {self.bf16_bytes_per_token:,}")
 
 
@@ -61,19 +64,20 @@ def memory_report(cache) -> MemoryReport:
     if not cache.initialized:
         return MemoryReport(0, 0, {"sink": 0, "quantized": 0, "dense": 0}, {}, {"device": 0, "host": 0}, 0, 0, 0.0, bf16_bpt, layers=L, format=cache.config.describe())
     e = cache.formats[0].elem_bytes
-    sink_ids, block_ids = cache.tables.unique_ids()
+    sink_ids, device_ids, host_ids = cache.tables.unique_ids()
+    n_blocks = len(device_ids) + len(host_ids)  # (two id spaces)
     kinds = {"codes": 0, "scales": 0, "dense_pages": 0, "sinks": 0, "tails": 0}
-    tiers = {"device": 0, "host": 0}  # (the allocator's "gpu" tier is the compute device's, whatever it is)
+    tiers = {"device": 0, "host": 0}  # (the device tier is the compute device's memory, whatever it is)
     per_block = {"codes": 0, "scales": 0, "dense": 0}  # one block id, summed over layers
     for fmt in cache.formats:
         for kind, n in fmt.block_bytes().items():
             per_block[kind] += n
     block_bytes = sum(per_block.values())
-    for bid in block_ids:
-        tiers["host" if cache.block_alloc.tier(bid) == "host" else "device"] += block_bytes
-    kinds["codes"] = per_block["codes"] * len(block_ids)
-    kinds["scales"] = per_block["scales"] * len(block_ids)
-    kinds["dense_pages"] = per_block["dense"] * len(block_ids)
+    tiers["device"] += block_bytes * len(device_ids)
+    tiers["host"] += block_bytes * len(host_ids)
+    kinds["codes"] = per_block["codes"] * n_blocks
+    kinds["scales"] = per_block["scales"] * n_blocks
+    kinds["dense_pages"] = per_block["dense"] * n_blocks
     sink_bytes = len(sink_ids) * L * 2 * H * P * D * e
     kinds["sinks"] = sink_bytes
     tail_bytes = cache.batch_size * L * 2 * H * min(cache.tail_len) * D * e
@@ -82,12 +86,14 @@ def memory_report(cache) -> MemoryReport:
     total = sum(kinds.values())
     reserved = sum(t.numel() * t.element_size() for p in cache.pages for t in p.tensors().values())
     reserved += sum(t.numel() * t.element_size() for t in (cache.sink_k, cache.sink_v, cache.tail_k, cache.tail_v))
+    host_reserved, staging = cache.host.reserved_bytes() if cache.host is not None else (0, 0)
+    reserved += staging
     tokens, rows = cache.seq_len(), cache.batch_size
     n_dense = sum(1 for f in cache.formats if f.k_bits == 16 and f.v_bits == 16)
     return MemoryReport(
         tokens=tokens,
         rows=rows,
-        blocks={"sink": len(sink_ids), "quantized": len(block_ids) if n_dense < L else 0, "dense": len(block_ids) if n_dense == L else 0},
+        blocks={"sink": len(sink_ids), "quantized": n_blocks if n_dense < L else 0, "dense": n_blocks if n_dense == L else 0},
         bytes_by_kind=kinds,
         bytes_by_tier=tiers,
         total_bytes=total,
@@ -97,4 +103,5 @@ def memory_report(cache) -> MemoryReport:
         device=str(cache.device),
         format=cache.config.describe(),
         layers=L,
+        host_reserved_bytes=host_reserved,
     )

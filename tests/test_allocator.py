@@ -41,15 +41,33 @@ def test_allocate_is_all_or_nothing():
     assert a.num_used() == 3
 
 
-def test_tiers_are_counted():
-    a = BlockAllocator(max_blocks=2)
-    (b,) = a.allocate(1)
-    assert a.tier(b) == "gpu"
-    a.set_tier(b, "host")
-    assert a.num_used("host") == 1 and a.num_used("gpu") == 0
-    assert a.allocate(2, tier="gpu") == [1, 2]  # the cap is per tier
-    with pytest.raises(ValueError):
-        a.allocate(1, tier="disk")
+def test_spill_moves_the_oldest_device_columns_with_their_references():
+    """Beams over a prompt: spilling moves whole columns to the host allocator, a shared id
+    once with all its references, and frees the device ids; crop and clear give host ids back."""
+    sinks, blocks, host = BlockAllocator(None, "sinks"), BlockAllocator(4, "blocks"), BlockAllocator(3, "host")
+    t = BlockTables(sinks, blocks, sink_blocks=1, host=host)
+    t.ensure_rows(1)
+    for j in range(3):
+        t.push([[0]], t.allocator_for(j).allocate(1))  # sink, then device ids 0, 1
+    t.select([0, 0])
+    t.push([[0], [1]], blocks.allocate(2))  # each beam's own block: ids 2, 3
+    assert blocks.num_available() == 0
+    moves = t.spill(1)
+    assert moves == [(0, 0)] and t.host_upto == 2 and t.host_columns == 1
+    assert host.refcount(0) == 2 and blocks.refcount(0) == 0 and blocks.num_available() == 1
+    with pytest.raises(CacheFullError):  # column 3 holds two ids, column 2 one: three more than host's two
+        t.spill(2)
+    assert t.host_upto == 2 and host.num_used() == 1, "a failed spill changes nothing"
+    t.check()
+    assert t.spill(1) == [(1, 1)] and host.num_available() == 1
+    assert t.rows == [[0, 0, 1, 2], [0, 0, 1, 3]] and t.host_upto == 3
+    t.check()
+    t.truncate(2)
+    assert t.host_upto == 2 and host.num_used() == 1 and blocks.num_used() == 0
+    t.clear()
+    assert t.host_upto == 1 and host.num_used() == 0
+    with pytest.raises(ValueError, match="device columns"):
+        t.spill(1)
 
 
 def test_a_reorder_counts_only_the_blocks_rows_do_not_share():
@@ -118,7 +136,8 @@ class TablesMachine(RuleBasedStateMachine):
         super().__init__()
         self.sinks = BlockAllocator(None, "sinks")
         self.blocks = BlockAllocator(None, "blocks")
-        self.t = BlockTables(self.sinks, self.blocks, sink_blocks=1)
+        self.host = BlockAllocator(None, "host")
+        self.t = BlockTables(self.sinks, self.blocks, sink_blocks=1, host=self.host)
         self.t.ensure_rows(2)
 
     @rule(data=st.data())
@@ -169,13 +188,18 @@ class TablesMachine(RuleBasedStateMachine):
         self.t.select([r for r in range(self.t.num_rows) if r != row])
 
     @rule(data=st.data())
+    def spill(self, data):  # (the oldest device columns to the host tier)
+        lo = self.t.host_upto
+        self.t.spill(data.draw(st.integers(0, max(0, self.t.num_blocks - lo))))
+
+    @rule(data=st.data())
     def crop(self, data):
         self.t.truncate(data.draw(st.integers(0, self.t.num_blocks)))
 
     @rule()
     def clear_and_restart(self):
         self.t.clear()
-        assert self.sinks.num_used() == 0 and self.blocks.num_used() == 0, "leak after clear"
+        assert self.sinks.num_used() == 0 and self.blocks.num_used() == 0 and self.host.num_used() == 0, "leak after clear"
         self.t.ensure_rows(2)
 
     @invariant()

@@ -362,13 +362,29 @@ class CacheMachine(RuleBasedStateMachine):
         for layer in range(2):
             k, v = self.cache.dense(layer)
             assert torch.equal(k, expect) and torch.equal(v, -expect)
-        sink_ids, block_ids = self.cache.tables.unique_ids()
+        sink_ids, block_ids, host_ids = self.cache.tables.unique_ids()
         assert self.cache.block_alloc.num_used() == len(block_ids), "leaked blocks"
         assert self.cache.sink_alloc.num_used() == len(sink_ids), "leaked sink blocks"
+        host = self.cache.host_alloc
+        assert (host.num_used() if host else 0) == len(host_ids), "leaked host blocks"
 
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+class HostTierMachine(CacheMachine):
+    """The same with 16 device blocks and a host tier: appends spill the oldest columns, and
+    every row operation works across both tiers."""
+
+    def __init__(self):
+        super().__init__()
+        cfg = KVConfig(bits=16, block_size=16, sink_blocks=1, max_blocks=16, host_blocks=100_000, stage_blocks=7)
+        self.cache = PagedKVCache(cfg, num_layers=2, num_kv_heads=1, head_dim=16)
+
+
+TestHostTierMachine = HostTierMachine.TestCase
+TestHostTierMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 
 
 def test_graph_table_takes_seals_in_place_until_full(monkeypatch):

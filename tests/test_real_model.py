@@ -315,3 +315,32 @@ def test_load_model_errors(monkeypatch, tmp_path):
 def test_load_model_from_gguf_path(smol):
     model, tok = load_model(str(embedded_gguf()), device="cpu")
     assert model.config.num_hidden_layers == 30 and tok.padding_side == "left"
+
+
+def test_host_tier_forced_small_changes_nothing(smol):
+    """The embedded model over a prompt of 420 tokens with a device tier of 6 blocks: the
+    oldest pages spill to the host tier as it generates. 16-bit pages: logits within fp32
+    rounding of the all-on-device cache's at every step; int4: the same 256 greedy tokens."""
+    from longctx.eval import default_text
+
+    model, tok = smol
+    restore(model)
+    enc = tok(default_text()[:3000], return_tensors="pt")
+    enc = {name: t[:, :420] for name, t in enc.items()}  # (6 blocks to seal at once: the device tier holds them)
+
+    def run(cfg, n, **kw):
+        cache = LongCtxCache(model, cfg)
+        try:
+            out = generate(model, tok, cache, enc, max_new_tokens=n, min_new_tokens=n, **kw)
+            return out, cache.paged
+        finally:
+            cache.detach()
+
+    for bits, n in ((16, 128), (4, 256)):
+        (ref, _), (off, paged) = (run(KVConfig(bits=bits, **kw), n, output_logits=True, return_dict_in_generate=True)
+                                  for kw in ({}, dict(max_blocks=6, host_blocks=64)))
+        assert paged.tables.host_columns >= 2, "the host tier was not used"
+        if bits == 16:
+            for a, b in zip(ref.logits, off.logits):
+                torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-5)
+        assert torch.equal(off.sequences, ref.sequences)

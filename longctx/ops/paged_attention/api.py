@@ -35,7 +35,9 @@ def paged_attention(
 
     q:     [B, H_q, C, D], H_q a multiple of H_kv (GQA). Query i sits at position
            view.total_len - C + i and sees keys at positions start[b] .. its own (causal).
-    view:  sinks + sealed pages + tail (the tail holds at least the C new tokens).
+           With an empty tail the queries sit after the view instead: each sees every key
+           from start[b] on (a part of a longer past, e.g. host pages, merged by LSE).
+    view:  sinks + sealed pages + tail (the tail holds the C new tokens, or none).
     start: int [B], first non-padding position of each row (left padding); None = 0.
     scale: softmax scale, default D**-0.5.
     Returns out [B, H_q, C, D] in q.dtype and lse [B, H_q, C] fp32 (natural log; -inf and a
@@ -51,7 +53,7 @@ def paged_attention(
     Hkv = tk.shape[1]
     if Hq % Hkv:
         raise ValueError(f"paged_attention: H_q={Hq} is not a multiple of H_kv={Hkv}")
-    if C > tk.shape[2]:
+    if C > tk.shape[2] > 0:
         raise ValueError(f"paged_attention: {C} queries but only {tk.shape[2]} tokens in the tail; append them first")
     if view.block_table.shape[0] != B:
         raise ValueError(f"paged_attention: block_table {tuple(view.block_table.shape)} has a different batch than q {tuple(q.shape)}")
@@ -59,12 +61,14 @@ def paged_attention(
     if start is not None and not start.is_contiguous():  # (the kernels read row b's at start + b)
         start = start.contiguous()
     name = resolve_backend(backend, q, D)
+    if tk.shape[2] == 0 and name in ("flex", "flash"):
+        raise ValueError(f"paged_attention: backend {name!r} reads a view with its queries in the tail; an empty tail takes 'triton' or 'reference'")
     for what, n in (("tail_len", view.tail_len), ("n_blocks", view.n_blocks)):
         if n is not None and (n.dtype != torch.int32 or n.numel() != 1 or n.device != tk.device):
             raise ValueError(f"paged_attention: {what} must be an int32 tensor of one element on {tk.device}, got {n.dtype} {tuple(n.shape)} on {n.device}")
     if (view.tail_len is not None or view.n_blocks is not None) and (name != "triton" or C > 1):  # only the decode kernel loads them itself
         view = view.host_lengths()
-        if C > view.tail_k.shape[2]:
+        if C > view.tail_k.shape[2] > 0:
             raise ValueError(f"paged_attention: {C} queries but tail_len says {view.tail_k.shape[2]} tokens in the tail")
     match name:
         case "reference":
@@ -78,7 +82,7 @@ def paged_attention(
                 def stageable() -> bool:  # staging + SDPA returns no LSE and takes no left padding
                     return not return_lse and not (start is not None and bool((start > 0).any()))
 
-                if prefill.prefill_path(C, view.pages.fmt) == "kernel" or not stageable():
+                if prefill.prefill_path(C, view.pages.fmt) == "kernel" or not stageable() or tk.shape[2] == 0:
                     try:
                         return prefill.paged_prefill_triton(q, view, start, D**-0.5 if scale is None else scale, return_lse)
                     except SharedMemoryError:  # (not even a tile of 16 tokens fits the GPU): staging serves where it can

@@ -76,7 +76,8 @@ def _prefill_kernel(
     """Prefill chunks over the quantized pages, no bf16 copy of the past: the decode kernel's
     page walk with M rows = BT query tokens x the G query heads of one KV head (token-major,
     padded to M). The C queries are the tail's last C tokens (query i at position n_blocks * P
-    + tail_len - C + i); sinks and sealed pages precede all of them, the tail is causal. Grid
+    + tail_len - C + i); sinks and sealed pages precede all of them, the tail is causal (an
+    empty tail: the queries follow the pages and see all of them). Grid
     (row x KV head, query block, split); outputs [B, H*G, C, n_splits, D] and LSE
     [B, H*G, C, n_splits] (natural log), each split normalized on its own. Rotated pages as in
     decode: the program rotates its queries and its sealed pages' share back. A step reads a tile
@@ -111,7 +112,7 @@ def _prefill_kernel(
     # logical blocks: sinks [0, n_sink), sealed [n_sink, n_blocks), tail; none past this
     # program's last query (causal). Steps walk tiles: tile u of block u // R.
     t_last = tl.minimum(rb * BT + BT, C) - 1
-    total = n_blocks + (tail_len - C + t_last) // P + 1
+    total = n_blocks + tl.cdiv(tl.maximum(tail_len - C + t_last + 1, 0), P)  # (an empty tail: the queries follow the pages)
     lo = split * blocks_per_split
     hi = tl.minimum(lo + blocks_per_split, total)
 
@@ -150,7 +151,7 @@ def _prefill_kernel(
     # 3. the tail (unquantized, unrotated), causal; no tile past the last query's own token
     u_end = hi * R
     if R > 1:
-        u_end = tl.minimum(u_end, n_blocks * R + (tail_len - C + t_last) // TT + 1)
+        u_end = tl.minimum(u_end, n_blocks * R + tl.cdiv(tl.maximum(tail_len - C + t_last + 1, 0), TT))
     for u in range(tl.maximum(lo, n_blocks) * R, u_end):
         tt = (u - n_blocks * R) * TT + offs_p
         valid = tt < tail_len

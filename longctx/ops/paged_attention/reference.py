@@ -15,13 +15,13 @@ def paged_attention_reference(q, view: PagedView, start, scale, return_lse: bool
     k_past, v_past = gather_dequant_reference(view, torch.float32)
     k = torch.cat([k_past, view.tail_k.float()], dim=2)
     v = torch.cat([v_past, view.tail_v.float()], dim=2)
-    return attention_reference(q, k, v, start, scale, return_lse)
+    return attention_reference(q, k, v, start, scale, return_lse, causal=view.tail_k.shape[2] > 0)
 
 
-def attention_reference(q, k, v, start, scale, return_lse: bool = True):
+def attention_reference(q, k, v, start, scale, return_lse: bool = True, causal: bool = True):
     """Exact attention in fp32. Query i of C sits at position T - C + i and sees keys
-    start[b] .. T - C + i. The G query heads of a KV head are stacked along the query axis
-    so K/V are never repeated."""
+    start[b] .. T - C + i (causal=False: every query sees keys start[b] .. T - 1). The G
+    query heads of a KV head are stacked along the query axis so K/V are never repeated."""
     B, Hq, C, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -33,7 +33,7 @@ def attention_reference(q, k, v, start, scale, return_lse: bool = True):
     outs, lses = [], []
     for c0 in range(0, C, QUERY_SLICE):
         c1 = min(C, c0 + QUERY_SLICE)
-        q_pos = torch.arange(T - C + c0, T - C + c1, device=q.device)
+        q_pos = torch.arange(T - C + c0, T - C + c1, device=q.device) if causal else torch.full((c1 - c0,), T - 1, device=q.device)
         # visible[b, i, j]: key j is at or after the row's first token and not after query i
         visible = (key_pos[None, None, :] <= q_pos[None, :, None]) & (key_pos[None, None, :] >= first[:, None, None])
         seen = visible.any(-1)  # [B, c]: queries that see at least one key
