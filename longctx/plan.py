@@ -22,6 +22,10 @@ from .quant import BlockFormat
 GIB = 1 << 30
 RUNTIME_OVERHEAD = 768 << 20  # CUDA context, cuBLAS/cuDNN workspaces, allocator bookkeeping
 FRAGMENTATION = 0.05  # share of the budget kept free for the caching allocator's slack
+# pinned host-to-device GB/s (10^9 bytes) a x16 link of each PCIe generation gives in practice
+# (about 80 % of its raw rate); a catalog card with fewer lanes gets its share
+PCIE_GBPS = {3: 12.0, 4: 25.0, 5: 50.0}
+DEFAULT_PCIE = 4  # a budget without a catalog card (--gpu-mem)
 
 
 class UnknownNameError(LongCtxError, ValueError):
@@ -243,11 +247,18 @@ class PlanRow:
     format: str
     kv_bytes_per_token: float  # at the planned context (at the model's limit where none fits), sinks and tail included (per row)
     max_tokens: int  # per row, GPU only, the model's limit aside
-    max_tokens_offload: int | None  # with --offload-gb of pinned host memory for cold pages
+    max_tokens_offload: int | None  # with a host tier (host_gib > 0): sinks, tails, staging and the newest pages on the GPU
     fits_model_limit: bool  # max_tokens >= the model's max_context
     activations: int
     max_blocks: int = 0  # KVConfig(max_blocks=...) for max_tokens: the pools, allocated once
     unavailable: str = ""  # why this format cannot serve the model (then max_tokens is 0)
+    # with a host tier: KVConfig(max_blocks=..., host_blocks=...), the pinned bytes, the GPU's
+    # staging bytes, and the decode step predicted at max_tokens_offload from the link
+    offload_max_blocks: int = 0
+    host_blocks: int = 0
+    host_bytes: int = 0
+    staging_bytes: int = 0
+    offload_step_ms: float = 0.0
 
 
 @dataclass
@@ -261,6 +272,8 @@ class Plan:
     max_context: int | None
     budget: Budget
     rows: list[PlanRow] = field(default_factory=list)
+    host_gib: float = 0.0  # the host memory the host tier may pin
+    pcie_gbps: float = 0.0  # the link's pinned host-to-device GB/s the offload speed assumes
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -271,14 +284,25 @@ class Plan:
 FORMAT_PRESETS = {16: {"bits": 16}, 8: {"bits": 8}, 4: {"bits": 4}, 2: {"bits": 2, "rotate": True}}
 
 
+def pcie_gbps(gpu: str | None) -> float:
+    """The pinned host-to-device GB/s plan assumes for a catalog card (PCIE_GBPS by its
+    generation and lanes), or for an unnamed budget (DEFAULT_PCIE, x16)."""
+    entry = catalog_gpus().get((gpu or "").lower(), {})
+    return PCIE_GBPS[entry.get("pcie", DEFAULT_PCIE)] * entry.get("lanes", 16) / 16
+
+
 def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16, kv_bits=(16, 8, 4, 2), batch: int = 1,
-         block_size: int = 64, prefill_chunk: int = 2048, offload_gib: float = 0.0) -> Plan:
-    """The longest context per row for each KV format (binary search on the exact KV bytes)."""
-    if batch < 1 or prefill_chunk < 1 or offload_gib < 0:
-        raise ValueError(f"batch and prefill_chunk must be >= 1 and offload >= 0; got {batch}, {prefill_chunk}, {offload_gib}")
+         block_size: int = 64, prefill_chunk: int = 2048, host_gib: float = 0.0, pcie: float | None = None) -> Plan:
+    """The longest context per row for each KV format (binary search on the exact KV bytes);
+    with host_gib, also with a host tier of that much pinned memory, and its decode step over
+    a link of `pcie` GB/s (None: the catalog card's, `pcie_gbps`)."""
+    if batch < 1 or prefill_chunk < 1 or host_gib < 0 or (pcie is not None and pcie <= 0):
+        raise ValueError(f"batch and prefill_chunk must be >= 1, host memory >= 0 and the link's GB/s > 0; got {batch}, "
+                         f"{prefill_chunk}, {host_gib}, {pcie}")
     total = int(gpu_gib * GIB)
     budget = Budget(gpu, total, weight_bytes(shape, weights_bits), RUNTIME_OVERHEAD, int(FRAGMENTATION * total))
-    out = Plan(shape.name, shape.param_count(), weights_bits, batch, block_size, prefill_chunk, shape.max_context, budget)
+    out = Plan(shape.name, shape.param_count(), weights_bits, batch, block_size, prefill_chunk, shape.max_context, budget,
+               host_gib=host_gib, pcie_gbps=pcie if pcie is not None else pcie_gbps(gpu))
     for bits in kv_bits:
         if bits not in FORMAT_PRESETS:
             raise ValueError(f"kv bits must be 16, 8, 4 or 2, got {bits}")
@@ -294,28 +318,42 @@ def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16,
             return kv_bytes(shape, cfg, t, batch) + activation_bytes(shape, min(prefill_chunk, max(t, 1)), t, batch)
 
         best = _largest(lambda t: need(t) <= budget.for_kv)
-        off = None
-        if offload_gib > 0:
-            # sealed quantized pages can live in host memory; sinks, tails and staging stay
-            host = int(offload_gib * GIB)
-            off = _largest(lambda t, cfg=cfg: need(t) <= budget.for_kv + min(host, _sealed_bytes(shape, cfg, t, batch)))
         at = best or shape.max_context or 32768  # where nothing fits, the format's cost at the model's limit
         per_token = kv_bytes(shape, cfg, at, batch) / (at * batch)
         sealed = best // block_size
-        out.rows.append(PlanRow(label, per_token, best, off, shape.max_context is None or best >= shape.max_context,
-                                activation_bytes(shape, min(prefill_chunk, max(best, 1)), best, batch),
-                                max_blocks=max(0, sealed - min(cfg.sink_blocks, sealed)) * batch))
+        row = PlanRow(label, per_token, best, None, shape.max_context is None or best >= shape.max_context,
+                      activation_bytes(shape, min(prefill_chunk, max(best, 1)), best, batch),
+                      max_blocks=max(0, sealed - min(cfg.sink_blocks, sealed)) * batch)
+        if host_gib > 0:
+            _offload(row, shape, cfg, budget, batch, prefill_chunk, int(host_gib * GIB), out.pcie_gbps)
+        out.rows.append(row)
     return out
 
 
-def _sealed_bytes(shape: ModelShape, cfg: KVConfig, tokens: int, rows: int) -> int:
-    """The part of kv_bytes in sealed (non-sink) pages: what an offload tier can hold."""
+def _offload(row: PlanRow, shape: ModelShape, cfg: KVConfig, budget: Budget, batch: int, chunk: int, host: int, gbps: float) -> None:
+    """Fill `row`'s host-tier figures. On the GPU: weights, reserves, one chunk's activations
+    (no staging copy of the past: with a host tier attention reads the pages in place), the
+    sinks and a block of tail a row, the two staging slices, and the device pool (whatever is
+    left, in whole blocks: `offload_max_blocks`). In pinned host memory: `host_blocks` blocks.
+    A row holds its sinks, then its share of both pools' blocks, then up to a block of tail.
+    The decode step reads every host page across the link: host bytes / (gbps * 10^9)."""
+    from .offload import RING, STAGE_BYTES
+
     P = cfg.block_size
-    n = tokens // P
-    sinks = min(cfg.sink_blocks, n)
-    no_tail = kv_bytes(shape, cfg, n * P, rows)
-    sink_only = kv_bytes(shape, cfg, sinks * P, rows)
-    return no_tail - sink_only
+    per_block = _sealed_block_bytes(shape, cfg.resolve(shape.layers, shape.head_dim), 2)  # one block id, all layers
+    per_layer = max(1, per_block // shape.layers)
+    stage_blocks = max(batch, STAGE_BYTES // per_layer, 1)
+    staging = RING * stage_blocks * per_layer
+    fixed = kv_bytes(shape, cfg, cfg.sink_blocks * P + P - 1, batch) + activation_bytes(shape, chunk, 0, batch) + staging
+    device_blocks = max(0, (budget.for_kv - fixed) // per_block)
+    if device_blocks < -(-chunk // P) * batch:  # (a chunk's seal must fit the device pool at once)
+        return
+    host_blocks = host // per_block
+    per_row = (device_blocks + host_blocks) // batch
+    row.max_tokens_offload = (cfg.sink_blocks + per_row) * P + P - 1
+    row.offload_max_blocks, row.host_blocks = int(device_blocks), int(host_blocks)
+    row.host_bytes, row.staging_bytes = int(host_blocks * per_block), int(staging)
+    row.offload_step_ms = row.host_bytes / (gbps * 1e9) * 1e3
 
 
 def _largest(ok) -> int:

@@ -145,7 +145,7 @@ def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeyp
         ("bench", "seal", "--shape", "smollm2-135m"): ["bench", "shape", "formats", "context", "layers"],
         ("bench", "e2e", "--layers", "2"): ["bench", "shape", "formats", "context", "new_tokens", "chunk", "graphs", "compiled"],
         ("plan", "--gpu", "rtx-3090", "--kv-bits", "4"): ["model", "gpu", "weights_bits", "kv_bits", "batch", "block_size",
-                                                        "prefill_chunk", "offload_gib"],
+                                                        "prefill_chunk", "host_gib", "pcie_gbps"],
     }
     for args, sections in cases.items():
         r = runner.invoke(app, [*args, "--print-config"])
@@ -175,12 +175,17 @@ def test_main_entry_point_exits_2_on_known_errors():
 def test_plan_table_and_json_match_the_library():
     from longctx.plan import model_shape, plan
 
-    r = runner.invoke(app, ["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090", "--weights-bits", "4", "--offload-gb", "16"])
+    r = runner.invoke(app, ["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090", "--weights-bits", "4", "--host-mem", "16GiB"])
     assert r.exit_code == 0, r.output
-    lib = plan(model_shape("llama-3.1-8b"), "rtx-4090", 24, weights_bits=4, offload_gib=16)
+    lib = plan(model_shape("llama-3.1-8b"), "rtx-4090", 24, weights_bits=4, host_gib=16)
     for row in lib.rows:
         assert f"{row.max_tokens:,}" in r.stdout and f"{row.max_tokens_offload:,}" in r.stdout and row.format in r.stdout
-    assert "fragmentation reserve" in r.stdout and "not what runs today" in r.stdout
+        assert f"{row.offload_step_ms:,.0f} ms" in r.stdout
+    assert "fragmentation reserve" in r.stdout and "predicted at 25 GB/s" in r.stdout
+    r = runner.invoke(app, ["plan", "--gpu", "rtx-4090", "--weights-bits", "4", "--host-mem", "64GB", "--pcie-gbps", "12.5", "--json"])
+    data = json.loads(r.stdout)
+    assert data["pcie_gbps"] == 12.5 and abs(data["host_gib"] - 64e9 / 2**30) < 1e-9
+    one_line_error(runner.invoke(app, ["plan", "--host-mem", "lots"]), "--host-mem lots")
     j = runner.invoke(app, ["plan", "--model", "smollm2-135m", "--gpu-mem", "4GiB", "--kv-bits", "16", "--json"])
     data = json.loads(j.stdout)
     assert data["rows"][0]["max_tokens"] == 124_884  # the case computed by hand in tests/test_plan.py

@@ -67,8 +67,32 @@ def test_fewer_bits_fit_more_and_bigger_budgets_fit_more():
     assert plan(shape, "a100-80gb", 79, weights_bits=4, kv_bits=(4,)).rows[0].max_tokens > tokens[2]
     assert plan(shape, "rtx-4090", 24, weights_bits=16, kv_bits=(4,)).rows[0].max_tokens < tokens[2]
     assert plan(shape, "rtx-4090", 24, weights_bits=4, kv_bits=(4,), batch=2).rows[0].max_tokens < tokens[2]
-    off = plan(shape, "rtx-4090", 24, weights_bits=4, kv_bits=(4,), offload_gib=32).rows[0]
+    off = plan(shape, "rtx-4090", 24, weights_bits=4, kv_bits=(4,), host_gib=32).rows[0]
     assert off.max_tokens_offload > off.max_tokens
+
+
+def test_host_tier_plan_fits_both_budgets_and_differs_by_format():
+    """With a host tier: the GPU holds weights, reserves, a chunk's activations, sinks and a
+    tail block, two staging slices and the device pool; host memory holds host_blocks blocks;
+    the tokens are the two pools' blocks a row. Each format's figure is its own (fewer bytes a
+    token, more tokens), and the step is the host bytes over the link."""
+    from longctx.plan import _sealed_block_bytes, activation_bytes, kv_bytes, pcie_gbps
+
+    shape = model_shape("llama-3.1-8b")
+    p = plan(shape, "rtx-4060-ti-16gb", 16, weights_bits=4, host_gib=64)
+    assert p.pcie_gbps == pcie_gbps("rtx-4060-ti-16gb") == 12.5  # PCIe 4.0 x8
+    tokens = [r.max_tokens_offload for r in p.rows]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 4
+    for r in p.rows:
+        cfg = KVConfig(**({"bits": 2, "rotate": True} if r.format == "int2+rot" else {"bits": int(r.format[3:]) if r.format != "bf16" else 16}))
+        per_block = _sealed_block_bytes(shape, cfg.resolve(shape.layers, shape.head_dim), 2)
+        assert r.host_bytes == r.host_blocks * per_block <= 64 * 2**30 < (r.host_blocks + 1) * per_block
+        gpu = kv_bytes(shape, cfg, 127, 1) + activation_bytes(shape, 2048, 0) + r.staging_bytes + r.offload_max_blocks * per_block
+        assert gpu <= p.budget.for_kv < gpu + per_block
+        assert r.max_tokens_offload == (1 + r.offload_max_blocks + r.host_blocks) * 64 + 63
+        assert r.offload_step_ms == pytest.approx(r.host_bytes / 12.5e9 * 1e3)
+    with pytest.raises(ValueError, match="GB/s > 0"):
+        plan(shape, "rtx-4090", 24, host_gib=8, pcie=0)
 
 
 def test_nothing_fits_when_weights_do_not():

@@ -23,7 +23,8 @@ def plan(
     gpu_mem: str = typer.Option(None, "--gpu-mem", help="memory budget instead of --gpu: 22.5GiB, or 24GB (10^9 bytes)"),
     weights_bits: int = typer.Option(16, "--weights-bits", help="16 (bf16), 8 or 4 (bitsandbytes)"),
     kv_bits: str = typer.Option("16,8,4,2", "--kv-bits", help="KV formats to plan, from 16,8,4,2 (2 = int2 with rotation)"),
-    offload_gb: float = typer.Option(0.0, "--offload-gb", help="pinned host memory for the offload tier (GiB)"),
+    host_mem: str = typer.Option(None, "--host-mem", help="pinned host memory for the host tier: 64GiB, or 64GB (10^9 bytes)"),
+    pcie_gbps: float = typer.Option(None, "--pcie-gbps", help="the link's pinned host-to-device GB/s for the host tier's speed (default: the card's PCIe generation)"),
     batch: int = typer.Option(1, "--batch", help="rows decoded together"),
     block_size: int = typer.Option(64, "--block-size", help="tokens per page"),
     prefill_chunk: int = typer.Option(2048, "--prefill-chunk", help="tokens per prefill forward"),
@@ -35,10 +36,10 @@ def plan(
 
     Examples:
       longctx plan --model llama-3.1-8b --gpu rtx-4090 --weights-bits 4
-      longctx plan --model mistral-7b --gpu-mem 12GB --kv-bits 4 --offload-gb 32
+      longctx plan --model llama-3.1-8b --gpu rtx-4090 --weights-bits 4 --host-mem 64GiB
       longctx plan --model ./Qwen2.5-7B-Instruct --gpu rtx-3060-12gb --json
     """
-    from ..plan import catalog_gpus, catalog_models, gpu_memory, model_shape
+    from ..plan import catalog_gpus, catalog_models, gpu_memory, model_shape, parse_size_gib
     from ..plan import plan as make_plan
 
     if list_catalog:
@@ -53,13 +54,16 @@ def plan(
         raise ValueError(f"--weights-bits must be 16, 8 or 4, got {weights_bits}")
     if gpu and gpu_mem:
         raise ValueError(f"give --gpu (a catalog card, {gpu!r}) or --gpu-mem (a budget, {gpu_mem!r}), not both")
+    if pcie_gbps is not None and pcie_gbps <= 0:
+        raise ValueError(f"--pcie-gbps must be more than 0, got {pcie_gbps}")
+    host_gib = parse_size_gib(host_mem) if host_mem else 0.0
     shape = model_shape(model)
     label, gib = gpu_memory(gpu if gpu or gpu_mem else "rtx-4090", gpu_mem)
     if show_config:
         return print_config(model=shape, gpu={"name": label, "memory_gib": gib}, weights_bits=weights_bits, kv_bits=bits, batch=batch,
-                            block_size=block_size, prefill_chunk=prefill_chunk, offload_gib=offload_gb)
+                            block_size=block_size, prefill_chunk=prefill_chunk, host_gib=host_gib, pcie_gbps=pcie_gbps)
     p = make_plan(shape, label, gib, weights_bits=weights_bits, kv_bits=bits, batch=batch, block_size=block_size,
-                  prefill_chunk=prefill_chunk, offload_gib=offload_gb)
+                  prefill_chunk=prefill_chunk, host_gib=host_gib, pcie=pcie_gbps)
     if as_json:
         typer.echo(json.dumps(p.as_dict(), indent=1))
         return
@@ -67,15 +71,19 @@ def plan(
     limit = f"{p.max_context:,}" if p.max_context else "unknown"
     console.print(f"{p.model} ({p.params / 1e9:.2f}B params, {weights_bits}-bit weights) on {label} ({gib:g} GiB), batch {batch}",
                   highlight=False, soft_wrap=True)
-    cols = ["KV format", "KV bytes/token", "max tokens (GPU)"] + (["with offload"] if offload_gb else []) + [f"model limit {limit}"]
+    host = ["with host tier", "host pinned", "decode step"] if host_gib else []
+    cols = ["KV format", "KV bytes/token", "max tokens (GPU)"] + host + [f"model limit {limit}"]
     rows = []
     for r in p.rows:
         if r.unavailable:
             rows.append([r.format, *["n/a"] * (len(cols) - 1)])
             continue
         cells = [r.format, f"{r.kv_bytes_per_token:,.0f}", f"{r.max_tokens:,}"]
-        if offload_gb:
-            cells.append(f"{r.max_tokens_offload:,}")
+        if host_gib:
+            if r.max_tokens_offload is None:
+                cells += ["no room", "", ""]
+            else:
+                cells += [f"{r.max_tokens_offload:,}", _gib(r.host_bytes), f"{r.offload_step_ms:,.0f} ms"]
         cells.append("fits" if r.fits_model_limit else "short")
         rows.append(cells)
     show_table("Longest context per KV format", cols, rows, left=("KV format",), console=console)
@@ -102,6 +110,10 @@ def plan(
     if any(r.max_tokens for r in available):
         console.print("[dim]To size the cache for a planned context once (no growth copies): longctx chat --max-context N, "
                       "or KVConfig(max_blocks=...) from --json.[/]")
-    if offload_gb:
-        console.print("[dim]with offload: sealed pages kept in pinned host memory; the cache does not spill pages to the host yet, "
-                      "so this column is what that tier will allow, not what runs today.[/]")
+    if host_gib:
+        console.print(f"[dim]with host tier: the oldest sealed pages in {host_gib:g} GiB of pinned host memory; every decode step reads "
+                      f"them across the link, predicted at {p.pcie_gbps:g} GB/s (--pcie-gbps to give yours; longctx bench offload "
+                      "measures it). KVConfig(max_blocks=..., host_blocks=...) from --json; longctx chat --host-mem.[/]", highlight=False)
+        for r in p.rows:
+            if not r.unavailable and r.max_tokens_offload is None:
+                console.print(f"{r.format}: no room for the host tier's device part (staging and a chunk's pages)", highlight=False)
