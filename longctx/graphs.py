@@ -102,6 +102,10 @@ class GraphDecoder:
             return str(e)
         if backend != "triton":
             return f"CUDA-graph decoding needs the triton backend (the kernel reads the tail's length on the device), this cache runs {backend!r}"
+        if paged.host is not None:
+            return ("a cache with a host tier decodes eagerly: its steps copy the host pages across the link on a second stream, "
+                    "ordered by events from step to step, which a replayed graph cannot follow; at the contexts a host tier serves "
+                    "the copies take hundreds of ms a step, and the launches a graph saves a few")
         if model.config._attn_implementation != "longctx":
             return f"the model's attention is {model.config._attn_implementation!r}, not LongCtxCache's 'longctx'"
         if not empty_ok and (not paged.initialized or paged.batch_size == 0):

@@ -53,7 +53,37 @@ def check_host_budget(host_bytes: int, what: str = "host tier") -> None:
     have = host_memory_available()
     if host_bytes > have:
         raise ValueError(f"{what}: {host_bytes / 2**30:,.2f} GiB of pinned host memory asked, but this machine has "
-                         f"{have / 2**30:,.2f} GiB available; lower host_blocks (or --host-mem)")
+                         f"{have / 2**30:,.2f} GiB available; ask for less")
+
+
+def offload_config(cfg, model, host_bytes: int, chunk: int):
+    """`cfg` with a host tier of `host_bytes` of pinned memory for `model` (on a CUDA device):
+    the device pool takes the GPU memory free now, less two staging slices and a reserve for
+    one chunk's activations (a tenth of it, at least 1 GiB); `max_blocks` already set (e.g. by
+    a context limit) is kept where smaller. Refuses a host budget the machine cannot pin."""
+    import torch
+
+    from .integrations.transformers import decoder_shape
+    from .quant import BlockFormat
+
+    if model.device.type != "cuda":
+        raise ValueError(f"a host tier holds pages off a CUDA GPU's memory; this model runs on {model.device.type}")
+    layers, kv_heads, head_dim = decoder_shape(model.config)
+    cfg = cfg.resolve(layers, head_dim)
+    formats = [BlockFormat(*cfg.layer_bits(l), cfg.block_size, cfg.group_size, head_dim, kv_heads, torch.float16, cfg.rotate)
+               for l in range(layers)]
+    per_block = sum(sum(f.block_bytes().values()) for f in formats)
+    per_layer = max(sum(f.block_bytes().values()) for f in formats)
+    staging = RING * max(1, STAGE_BYTES // per_layer) * per_layer
+    free = torch.cuda.mem_get_info(model.device)[0]
+    device_blocks = (free - staging - max(2**30, free // 10)) // per_block
+    if device_blocks < -(-chunk // cfg.block_size):
+        raise ValueError(f"a host tier needs the GPU to hold a chunk's pages and {staging / 2**20:,.0f} MiB of staging; "
+                         f"{free / 2**30:,.2f} GiB is free")
+    if cfg.max_blocks is not None:
+        device_blocks = min(device_blocks, cfg.max_blocks)
+    check_host_budget(host_bytes, "--host-mem")
+    return dataclasses.replace(cfg, max_blocks=int(device_blocks), host_blocks=max(1, host_bytes // per_block))
 
 
 @dataclasses.dataclass

@@ -61,7 +61,10 @@ def test_known_errors_are_one_line_with_exit_code_2():
              ["bench", "seal", "--context", "0"], ["bench", "e2e", "--context", "0"], ["bench", "e2e", "--chunk", "0"],
              ["bench", "e2e", "--new-tokens", "0"], ["bench", "e2e", "--layers", "0"], ["bench", "prefill", "--contexts", "0"],
              ["bench", "plan"], ["bench", "plan", "--weights-bits", "8"], ["bench", "plan", "--format", "k8v4"], ["bench", "plan", "--chunk", "0"],
-             ["bench", "plan", "--budget-gib", "0"], ["bench", "plan", "--model", "llama-9"]]
+             ["bench", "plan", "--budget-gib", "0"], ["bench", "plan", "--model", "llama-9"],
+             ["bench", "offload", "--formats", "int5"], ["bench", "offload", "--contexts", "4k"], ["bench", "offload", "--steps", "0"],
+             ["bench", "offload", "--budget", "0GiB"], ["chat", "--host-mem", "1GiB", "--device", "cpu"],
+             ["chat", "--host-mem", "100000GiB", "--prompt", "hi"], ["plan", "--pcie-gbps", "0", "--host-mem", "8GiB"]]
     if not has_quanto():
         cases.append(["eval", "quality", "--quanto"])  # before the model loads or any format runs
     for args in cases:
@@ -72,6 +75,8 @@ def test_known_errors_are_one_line_with_exit_code_2():
             assert f"{args[2][2:]} must be at least 1" in line, line
         if args[:2] == ["bench", "e2e"] and args[2] != "--formats":  # before the CUDA check and the 16 GB model
             assert f"{args[2][2:].replace('-', '_')} must be at least 1, got 0" in line, line
+        if args[:2] == ["chat", "--host-mem"] and "--device" not in args:  # refused before the model loads, naming both sizes
+            assert "100,000.00 GiB of pinned host memory asked, but this machine has" in line, line
         if args[:3] == ["bench", "prefill", "--contexts"]:
             assert "contexts must be at least 1 token" in line, line
         if args == ["bench", "plan"]:  # the options are good: this machine has no GPU

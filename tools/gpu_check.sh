@@ -7,6 +7,7 @@
 #   BASE=.baseline bash tools/gpu_check.sh decode # the same bench from another tree's package first (carry it), then this one
 #   bash tools/gpu_check.sh prefill seal e2e plan # the other benches (plan: longctx plan against a measured peak in 24 GiB)
 #   bash tools/gpu_check.sh floor                 # the fastest plain read of a decode step's bytes (tools/read_floor.py)
+#   OFFLOAD_ARGS="--contexts 1024k" bash tools/gpu_check.sh offload   # bench offload (NF4: carry .whl, below)
 #   FLASH_TAR=.flash/flash-attn-2.8.3.post2-sm90.tar.xz bash tools/gpu_check.sh flash   # with flash-attn (tools/pack_flash_attn.sh)
 #   TRITON_TAR=.triton/triton-3.8.0.tar.xz bash tools/gpu_check.sh tests                 # on a carried Triton (tools/pack_triton.sh)
 #   TESTS="tests/ops/test_gather_dequant_triton.py" bash tools/gpu_check.sh tests
@@ -44,7 +45,7 @@ DECODE=(-m longctx bench decode --graph --cases 4k:1,128k:1,512k:1,32k:8 --forma
 # processes (pytest-xdist, in the device image; 1: one process)
 XDIST=(); python3 -c "import xdist" 2>/dev/null && [ "${WORKERS:-12}" != 1 ] && XDIST=(-n "${WORKERS:-12}")
 # shellcheck disable=SC2086
-TAIL=4 stage tests 540 python3 -m pytest -q -p no:cacheprovider --durations=30 "${XDIST[@]}" ${TESTS:-tests/ops tests/test_cuda.py tests/test_transformers.py}
+TAIL=4 stage tests 540 python3 -m pytest -q -p no:cacheprovider --durations=30 "${XDIST[@]}" ${TESTS:-tests/ops tests/test_cuda.py tests/test_transformers.py tests/test_offload.py}
 if [ -n "${BASE:-}" ] && want_stage decode; then  # the same bench from BASE's package (a tree carried as BASE/longctx) first
   STAGES+=(decode_base)
   PYTHONPATH=$PWD/$BASE TAIL=14 stage decode_base 280 python3 "${DECODE[@]}" --json "$OUT/decode_base.json"
@@ -55,4 +56,5 @@ TAIL=12 stage seal 90 python3 -m longctx bench seal --context 128k --formats int
 TAIL=14 stage e2e 420 python3 -m longctx bench e2e --context 128k --formats int4 --json "$OUT/e2e.json"
 TAIL=16 stage floor 420 python3 tools/read_floor.py
 TAIL=8 stage plan 400 python3 -m longctx bench plan --budget-gib 24 --json "$OUT/plan.json"
+TAIL=30 stage offload 560 python3 -m longctx bench offload ${OFFLOAD_ARGS:-} --json "$OUT/offload.json"
 TAIL=8 stage flash 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/ops/test_paged_attention.py tests/test_cli.py -k "flash or bench_decode or info"

@@ -287,3 +287,49 @@ def plan_check(
                [(f"{r.tokens:,}", f"{r.planned_tokens:,}", f"{r.predicted_gib:.2f}", f"{r.peak_gib:.2f}", f"{r.peak_over_predicted:.3f}",
                  f"{r.weights_predicted_gib:.2f} / {r.weights_measured_gib:.2f}", f"{r.seconds:.0f}", r.note or "fits")], left=("note",))
     _write_json(as_json, [r])
+
+
+@app.command()
+def offload(
+    model: str = typer.Option("llama-3.1-8b", help="a catalog model (longctx plan's); a random model of its shape is measured"),
+    contexts: str = typer.Option("256k,512k,1024k", help="contexts of the host-tier rows"),
+    formats: str = typer.Option("int4,int2+rot", help="KV formats: int4, int2+rot, int8, bf16 (plan's, blocks of 64 tokens)"),
+    weights_bits: int = typer.Option(4, help="4 (bitsandbytes NF4) or 16 (bf16)"),
+    budget: str = typer.Option("24GiB", help="GPU memory the process may use: 24GiB, 16GiB, or 24GB (10^9 bytes)"),
+    peer_contexts: str = typer.Option("128k,256k", help="contexts of transformers' offloaded cache's rows (ours beside them)"),
+    steps: int = typer.Option(8, help="timed decode steps a row (after two untimed)"),
+    full_gpu: bool = typer.Option(True, "--full-gpu/--no-full-gpu", help="also each format with no budget, all on the GPU"),
+    as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
+    show_config: bool = print_config_option(),
+) -> None:
+    """Decode with a cache larger than the GPU budget: the host tier against the same cache all on
+    the GPU, transformers' DynamicCache(offloading=True) and the PCIe floor (host bytes a step
+    over the pinned host-to-device bandwidth measured in the same run). The caches are filled
+    with random keys and values appended directly (no prefill), then decoded through the model.
+
+    Example: longctx bench offload --budget 24GiB --contexts 256k,512k,1024k
+    """
+    from ..bench.offload import bench_offload, check_offload_options
+    from ..plan import parse_size_gib
+
+    ctx, peers, fmts = parse_sizes(contexts), parse_sizes(peer_contexts), _names(formats)
+    budget_gib = parse_size_gib(budget)
+    check_offload_options(fmts, ctx, peers, weights_bits, budget_gib, steps)
+    if show_config:
+        return print_config(bench="offload", model=model, contexts=ctx, formats=fmts, weights_bits=weights_bits, budget_gib=budget_gib,
+                            peer_contexts=peers, steps=steps, full_gpu=full_gpu)
+    console = Console()
+
+    def show(r) -> None:
+        figures = f"{r.step_ms:,.1f} ms a step" if r.step_ms == r.step_ms else r.note
+        console.print(f"  {r.context:,}: {r.name}: {figures}", highlight=False, soft_wrap=True)
+
+    rows = bench_offload(model, ctx, fmts, weights_bits, budget_gib, peers, steps, full_gpu, progress=show)
+    weights = "NF4" if weights_bits == 4 else "bf16"
+    show_table(f"Decode past the GPU: {model} shape, {weights} weights, {budget_gib:g} GiB budget for the host-tier rows",
+               ("cache", "context", "ms a step", "tok/s", "host GiB a step", "x PCIe floor", "x faster than transformers offloaded",
+                "peak GiB", "fill s", "note"),
+               [(r.name, f"{r.context:,}", _fig(r.step_ms, ",.1f"), _fig(1e3 / r.step_ms, ".2f"), f"{r.host_gib:.2f}" if r.host_gib else "",
+                 _fig(r.over_floor, ".3f", "x"), _fig(r.speedup, ".1f", "x"), _fig(r.peak_gib, ".1f"), _fig(r.fill_s, ".0f"), r.note)
+                for r in rows], left=("cache", "note"), console=console)
+    _write_json(as_json, rows)

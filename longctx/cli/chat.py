@@ -54,6 +54,7 @@ def chat(
     prompt: str = typer.Option(None, "--prompt", help="answer this once and exit (for scripts)"),
     max_context: int = typer.Option(None, "--max-context", help="refuse turns that would exceed this many tokens; also sizes the cache once (see longctx plan)"),
     chunk: int = typer.Option(512, "--chunk", help="prefill chunk in tokens"),
+    host_mem: str = typer.Option(None, "--host-mem", help="a host tier of this much pinned host memory (64GiB, 64GB): the oldest pages spill there when the GPU is full (CUDA)"),
     graphs: bool = typer.Option(None, "--graphs/--no-graphs", help="decode from CUDA graphs (default: where they serve: CUDA, triton backend)"),
     show_config: bool = print_config_option(),
 ) -> None:
@@ -84,6 +85,15 @@ def chat(
         raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
     if max_context is not None and max_context < 1:
         raise ValueError(f"--max-context must be a positive number of tokens, got {max_context}")
+    host_bytes = 0
+    if host_mem is not None:
+        from ..offload import check_host_budget
+        from ..plan import parse_size_gib
+
+        host_bytes = int(parse_size_gib(host_mem) * 2**30)
+        if device == "cpu":
+            raise ValueError("--host-mem holds pages off a CUDA GPU's memory; drop it with --device cpu")
+        check_host_budget(host_bytes, "--host-mem")
     # --max-context also sizes the page pools once (no doubling and copying as the chat grows)
     max_blocks = -(-max_context // block_size) if max_context else None
     kv = KVConfig(bits=kv_bits, k_bits=k_bits, v_bits=v_bits, rotate=rotate, block_size=block_size, max_blocks=max_blocks)
@@ -91,12 +101,16 @@ def chat(
     if show_config:  # group_size null: the model's head_dim sets it when the cache is built; sampling null: the model's
         return print_config(model=model or "embedded SmolLM2-135M-Instruct", kv=kv, sampling=given,
                             chat=dict(device=device, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, seed=seed, system=system, file=file,
-                                      max_context=max_context, chunk=chunk, graphs=graphs))
+                                      max_context=max_context, chunk=chunk, graphs=graphs, host_mem=host_mem))
     err = Console(stderr=True)
     out = Console(highlight=False)
     with err.status("loading model..."):
         mdl, tok = load_model(model, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, device=None if device == "auto" else device)
     sampling = SamplingConfig.for_model(mdl, **given)
+    if host_bytes:
+        from ..offload import offload_config
+
+        kv = offload_config(kv, mdl, host_bytes, chunk)
     if doc is not None:
         system = ((system + "\n\n") if system else "") + f"Document ({file.name}):\n\n{doc}"
     session = ChatSession(mdl, tok, LongCtxCache(mdl, kv), system=system, chunk=chunk, max_context=max_context, graphs=graphs)
