@@ -14,6 +14,10 @@ the model, timed after two untimed ones. Rows per context:
   peer contexts, where it runs;
 - the PCIe floor: the host tier's bytes per step over the pinned host-to-device bandwidth
   measured in the same run.
+
+`bench_offload_prefill` measures the other side: a real prefill (the model's forward over
+random token ids, in chunks) past the budget, spilling as it seals, against the same prefill
+with no budget, and the greedy tokens after each.
 """
 
 from __future__ import annotations
@@ -216,4 +220,96 @@ def bench_offload(model: str = "llama-3.1-8b", contexts=(262144, 524288, 1048576
         for r in rows[start:]:
             if base and not r.name.startswith(("transformers", "PCIe")):
                 r.speedup = base[0].step_ms / r.step_ms
+    return rows
+
+
+@dataclass
+class PrefillRow:
+    name: str
+    context: int
+    prefill_s: float
+    peak_gib: float  # torch.cuda.max_memory_allocated() over the prefill and the decode after it
+    budget_gib: float  # the cap (nan: none)
+    host_gib: float = 0.0  # the host tier's bytes after the prefill
+    ratio: float = float("nan")  # this prefill's time / the uncapped one's
+    same_tokens: int = -1  # the leading greedy tokens after the prefill equal to the uncapped run's, of `decode` (-1: the uncapped row)
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def bench_offload_prefill(model: str = "llama-3.1-8b", context: int = 393216, fmt: str = "int4", weights_bits: int = 4, budget_gib: float = 16.0,
+                          chunk: int = 8192, decode: int = 64, progress=None) -> list[PrefillRow]:
+    """Prefill `context` random token ids through the model into LongCtxCache (`fmt`) with a
+    host tier, the process capped at `budget_gib`, then `decode` greedy tokens; and the same
+    with no cap, all on the GPU. progress(tokens_done, tokens) follows each prefill."""
+    from ..generate import prefill
+    from ..integrations.transformers import LongCtxCache, cache_kwargs
+    from ..offload import host_memory_available
+
+    check_offload_options([fmt], [context], [], weights_bits, budget_gib, decode)
+    if chunk < 1:
+        raise ValueError(f"bench offload: chunk must be at least 1, got {chunk}")
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError("bench offload needs a CUDA GPU; this machine has none")
+    if weights_bits == 4:
+        importlib.import_module("bitsandbytes")
+    shape = model_shape(model)
+    total = torch.cuda.get_device_properties(0).total_memory
+    net = random_model(shape, context + decode + 16)
+    if weights_bits == 4:
+        to_nf4(net)
+    bits = FORMATS[fmt]
+    ids = torch.randint(0, shape.vocab, (1, context), generator=torch.Generator().manual_seed(0))
+    p = plan(shape, "budget", budget_gib, weights_bits=weights_bits, kv_bits=(bits,), prefill_chunk=chunk,
+             host_gib=host_memory_available() * 0.8 / GIB).rows[0]
+    blocks = -(-(context + decode) // 64) + 8
+    if p.max_tokens_offload is None:
+        raise ValueError(f"bench offload: {budget_gib:g} GiB has no room for a host tier's device part at chunks of {chunk:,}")
+    capped = KVConfig(**FORMAT_PRESETS[bits], max_blocks=p.offload_max_blocks, host_blocks=max(1, blocks - p.offload_max_blocks))
+    rows: list[PrefillRow] = []
+    tokens: list[list[int]] = []
+    for name, cfg, cap in ((f"LongCtxCache {fmt}, no budget", KVConfig(**FORMAT_PRESETS[bits]), None),
+                           (f"LongCtxCache {fmt} + host tier, {budget_gib:g} GiB budget", capped, budget_gib)):
+        if cap is not None:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        cache = LongCtxCache(net, cfg)
+        note = ""
+        out: list[int] = []
+        try:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                logits = prefill(net, cache, ids, chunk=chunk, all_logits=False,
+                                 on_chunk=None if progress is None else lambda n, _l: progress(n, context))
+                cache.paged.seal()
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - t0
+                tok = logits.argmax(-1, keepdim=True)
+                for _ in range(decode):
+                    out.append(int(tok))
+                    tok = net(input_ids=tok, use_cache=True, **cache_kwargs(net, cache)).logits[:, -1:].argmax(-1)
+            host = cache.paged.memory_report().bytes_by_tier["host"]
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
+            seconds, host, note = float("nan"), 0, "out of GPU memory"
+        finally:
+            cache.detach()
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        row = PrefillRow(name, context, seconds, torch.cuda.max_memory_allocated() / GIB, cap if cap is not None else float("nan"),
+                         host / GIB, note=note)
+        tokens.append(out)
+        if rows:
+            row.ratio = row.prefill_s / rows[0].prefill_s
+            row.same_tokens = 0  # (the leading greedy tokens both runs chose alike)
+            for a, b in zip(tokens[0], out):
+                if a != b:
+                    break
+                row.same_tokens += 1
+        rows.append(row)
+        gc.collect()
+        torch.cuda.empty_cache()
     return rows

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .options import print_config, print_config_option
+from .options import at_least, print_config, print_config_option
 from .tables import show_table
 
 app = typer.Typer(help="Measure speed on a GPU (same-process peers, ratios to SDPA dense bf16).", no_args_is_help=True)
@@ -299,6 +299,9 @@ def offload(
     peer_contexts: str = typer.Option("128k,256k", help="contexts of transformers' offloaded cache's rows (ours beside them)"),
     steps: int = typer.Option(8, help="timed decode steps a row (after two untimed)"),
     full_gpu: bool = typer.Option(True, "--full-gpu/--no-full-gpu", help="also each format with no budget, all on the GPU"),
+    prefill: str = typer.Option(None, "--prefill", help="instead: a real prefill of this many tokens (e.g. 384k) under the budget "
+                                "against the same with no budget, the first format, then 64 greedy tokens compared"),
+    chunk: int = typer.Option(8192, help="prefill chunk (tokens), with --prefill"),
     as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
     show_config: bool = print_config_option(),
 ) -> None:
@@ -307,25 +310,42 @@ def offload(
     over the pinned host-to-device bandwidth measured in the same run). The caches are filled
     with random keys and values appended directly (no prefill), then decoded through the model.
 
-    Example: longctx bench offload --budget 24GiB --contexts 256k,512k,1024k
+    Examples:
+      longctx bench offload --budget 24GiB --contexts 256k,512k,1024k
+      longctx bench offload --prefill 384k --budget 16GiB --formats int4
     """
-    from ..bench.offload import bench_offload, check_offload_options
+    from ..bench.offload import bench_offload, bench_offload_prefill, check_offload_options
     from ..plan import parse_size_gib
 
     ctx, peers, fmts = parse_sizes(contexts), parse_sizes(peer_contexts), _names(formats)
     budget_gib = parse_size_gib(budget)
     check_offload_options(fmts, ctx, peers, weights_bits, budget_gib, steps)
+    at_least(chunk, 1, "--chunk")
+    prefill_tokens = parse_sizes(prefill)[0] if prefill is not None else None
     if show_config:
         return print_config(bench="offload", model=model, contexts=ctx, formats=fmts, weights_bits=weights_bits, budget_gib=budget_gib,
-                            peer_contexts=peers, steps=steps, full_gpu=full_gpu)
+                            peer_contexts=peers, steps=steps, full_gpu=full_gpu, prefill=prefill_tokens, chunk=chunk)
     console = Console()
+    weights = "NF4" if weights_bits == 4 else "bf16"
+    if prefill_tokens is not None:
+        from rich.progress import Progress
+
+        with Progress(console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("prefill", total=prefill_tokens)
+            rows = bench_offload_prefill(model, prefill_tokens, fmts[0], weights_bits, budget_gib, chunk,
+                                         progress=lambda done, total: bar.update(task, completed=done, total=total))
+        show_table(f"Prefill past the GPU: {model} shape, {weights} weights, chunks of {chunk:,}, then 64 greedy tokens",
+                   ("cache", "context", "prefill s", "x uncapped", "peak GiB", "budget GiB", "host GiB", "greedy tokens equal", "note"),
+                   [(r.name, f"{r.context:,}", _fig(r.prefill_s, ".1f"), _fig(r.ratio, ".3f", "x"), f"{r.peak_gib:.2f}", _fig(r.budget_gib, "g"),
+                     f"{r.host_gib:.2f}", "" if r.same_tokens < 0 else f"{r.same_tokens} of 64", r.note) for r in rows],
+                   left=("cache", "note"), console=console)
+        return _write_json(as_json, rows)
 
     def show(r) -> None:
         figures = f"{r.step_ms:,.1f} ms a step" if r.step_ms == r.step_ms else r.note
         console.print(f"  {r.context:,}: {r.name}: {figures}", highlight=False, soft_wrap=True)
 
     rows = bench_offload(model, ctx, fmts, weights_bits, budget_gib, peers, steps, full_gpu, progress=show)
-    weights = "NF4" if weights_bits == 4 else "bf16"
     show_table(f"Decode past the GPU: {model} shape, {weights} weights, {budget_gib:g} GiB budget for the host-tier rows",
                ("cache", "context", "ms a step", "tok/s", "host GiB a step", "x PCIe floor", "x faster than transformers offloaded",
                 "peak GiB", "fill s", "note"),
