@@ -50,10 +50,34 @@ class OffloadRow:
     speedup: float = float("nan")  # transformers' offloaded cache's step / this, at the same context
     peak_gib: float = float("nan")  # torch.cuda.max_memory_allocated() over the fill and the steps
     fill_s: float = float("nan")
+    cpu_ms: float = float("nan")  # the host part's attention computed on the CPU instead, one step (all layers, extrapolated from one)
     note: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def host_part_on_cpu_ms(paged, heads: int) -> float:
+    """One decode step's attention over the host pages computed on the CPU where they lie
+    (the reference backend, a slice at a time, as the staging would cut them): the first two
+    slices of one layer timed, scaled to all host columns and layers."""
+    from ..ops.paged_attention import paged_attention
+    from ..ops.pages import PagedView
+
+    host, t = paged.host, paged.tables
+    pages = host.pages[0]
+    B, H, D = paged.batch_size, paged.num_kv_heads, paged.head_dim
+    q = torch.randn(B, heads, 1, D, dtype=paged.dtype)
+    empty = torch.empty(B, H, 0, D, dtype=paged.dtype)
+    sinks = torch.empty(0, H, paged.block_size, D, dtype=paged.dtype)
+    step = host.stage_blocks // max(1, B)
+    end = min(t.host_upto, t.sink_blocks + 2 * step)
+    t0 = time.perf_counter()
+    for c0 in range(t.sink_blocks, end, step):
+        table = torch.tensor([row[c0 : min(c0 + step, end)] for row in t.rows], dtype=torch.int32)
+        view = PagedView(pages=pages, sink_k=sinks, sink_v=sinks, block_table=table, n_sink=0, tail_k=empty, tail_v=empty)
+        paged_attention(q, view, backend="reference")
+    return (time.perf_counter() - t0) * 1e3 * t.host_columns / (end - t.sink_blocks) * paged.num_layers
 
 
 def h2d_gbps(device, nbytes: int = GIB, reps: int = 5) -> float:
@@ -112,6 +136,7 @@ def bench_offload(model: str = "llama-3.1-8b", contexts=(262144, 524288, 1048576
     device = net.device
     gbps = h2d_gbps(device)
     rows: list[OffloadRow] = []
+    measure_cpu = [True]  # the host part on the CPU: measured at the first host-tier row
 
     def emit(row: OffloadRow) -> None:
         rows.append(row)
@@ -182,12 +207,14 @@ def bench_offload(model: str = "llama-3.1-8b", contexts=(262144, 524288, 1048576
             cache.paged.seal()
             step = decode(cache, context)
             host = cache.paged.memory_report().bytes_by_tier["host"]
+            cpu_ms = host_part_on_cpu_ms(cache.paged, shape.heads) if host and measure_cpu[0] else float("nan")
+            measure_cpu[0] = False  # (once a run: minutes at the longest contexts)
         finally:
             cache.detach()
             torch.cuda.set_per_process_memory_fraction(1.0)
         floor = host / (gbps * 1e9) * 1e3
         return OffloadRow(name, context, step, host / GIB, floor if host else float("nan"), step / floor if host else float("nan"),
-                          fill_s=fill_s, note="random keys and values appended (no prefill)")
+                          fill_s=fill_s, cpu_ms=cpu_ms, note="random keys and values appended (no prefill)")
 
     def peer(context: int) -> OffloadRow:
         """Each layer filled by one update of the whole context (its updates concatenate: in
