@@ -203,11 +203,11 @@ class HostTier:
         cache = self.cache
         if self._cuda:
             self._spill.wait_stream(torch.cuda.current_stream(cache.device))  # (the pages were written there)
-            dev = dev.to(cache.device, non_blocking=True)
         with torch.cuda.stream(self._spill) if self._cuda else _nothing():
+            dev = dev.to(cache.device)
             for src, dst in zip(cache.pages, self.pages):
                 for name, t in src.tensors().items():
-                    picked = t.index_select(0, dev.to(t.device))  # [n, ...] in the moves' order
+                    picked = t.index_select(0, dev)  # [n, ...] in the moves' order
                     host = getattr(dst, name)
                     for h0, n, i0 in runs:
                         host[h0 : h0 + n].copy_(picked[i0 : i0 + n], non_blocking=self._cuda)
@@ -260,6 +260,8 @@ class HostTier:
         with torch.cuda.stream(self._copy) if self._cuda else _nothing():
             if self._cuda and self._free[slot] is not None:
                 self._copy.wait_event(self._free[slot])  # (the kernel that read the slot before is done)
+            if self._cuda and self._spilled is not None:
+                self._copy.wait_event(self._spilled)  # (the pages the last spill is still writing)
             for name, t in src.tensors().items():
                 d = getattr(dst, name)
                 for h0, cnt, i0 in slices[s].runs:
@@ -314,6 +316,8 @@ class HostTier:
         """A view of host columns [c0, c1) of `layer` (every row) on the device, staged in a
         pool of its own: for reads off the step's path (crop, dense)."""
         cache = self.cache
+        if self._spilled is not None:
+            self._spilled.synchronize()  # (read on the host: the last spill's copies must have landed)
         rows = [row[c0:c1] for row in cache.tables.rows]
         ids = sorted({bid for row in rows for bid in row})
         slot = {bid: i for i, bid in enumerate(ids)}

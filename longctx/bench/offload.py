@@ -65,6 +65,8 @@ def host_part_on_cpu_ms(paged, heads: int) -> float:
     from ..ops.pages import PagedView
 
     host, t = paged.host, paged.tables
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # (the spills' copies into the host pools have landed)
     pages = host.pages[0]
     B, H, D = paged.batch_size, paged.num_kv_heads, paged.head_dim
     q = torch.randn(B, heads, 1, D, dtype=paged.dtype)
