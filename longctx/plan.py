@@ -356,6 +356,14 @@ def _offload(row: PlanRow, shape: ModelShape, cfg: KVConfig, budget: Budget, bat
     row.offload_step_ms = row.host_bytes / (gbps * 1e9) * 1e3
 
 
+def offload_step_ms(shape: ModelShape, cfg: KVConfig, context: int, device_blocks: int, gbps: float, batch: int = 1) -> float:
+    """The decode step plan predicts for a host tier at `context` tokens a row: the pages past
+    the sinks that `device_blocks` GPU pages do not hold, all layers, over `gbps` GB/s."""
+    per_block = _sealed_block_bytes(shape, cfg.resolve(shape.layers, shape.head_dim), 2)
+    sealed = max(0, context // cfg.block_size - cfg.sink_blocks) * batch
+    return max(0, sealed - device_blocks) * per_block / (gbps * 1e9) * 1e3
+
+
 def _largest(ok) -> int:
     """Largest t >= 0 with ok(t) (ok is monotone); 0 when even one token does not fit."""
     if not ok(1):

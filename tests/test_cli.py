@@ -178,7 +178,8 @@ def test_main_entry_point_exits_2_on_known_errors():
 
 # ---------------------------------------------------------------------- plan
 def test_plan_table_and_json_match_the_library():
-    from longctx.plan import model_shape, plan
+    from longctx import KVConfig
+    from longctx.plan import model_shape, offload_step_ms, plan
 
     r = runner.invoke(app, ["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090", "--weights-bits", "4", "--host-mem", "16GiB"])
     assert r.exit_code == 0, r.output
@@ -191,6 +192,12 @@ def test_plan_table_and_json_match_the_library():
     data = json.loads(r.stdout)
     assert data["pcie_gbps"] == 12.5 and abs(data["host_gib"] - 64e9 / 2**30) < 1e-9
     one_line_error(runner.invoke(app, ["plan", "--host-mem", "lots"]), "--host-mem lots")
+    one_line_error(runner.invoke(app, ["plan", "--context", "1024k"]), "--context without --host-mem")
+    r = runner.invoke(app, ["plan", "--gpu-mem", "24GiB", "--weights-bits", "4", "--kv-bits", "4", "--host-mem", "100GiB", "--context", "1024k",
+                            "--pcie-gbps", "50"])
+    row = plan(model_shape("llama-3.1-8b"), "24GiB budget", 24, weights_bits=4, kv_bits=(4,), host_gib=100, pcie=50).rows[0]
+    expect = offload_step_ms(model_shape("llama-3.1-8b"), KVConfig(bits=4), 1 << 20, row.offload_max_blocks, 50)
+    assert "step at 1,048,576" in r.stdout and f"{expect:,.0f} ms" in r.stdout, r.stdout
     j = runner.invoke(app, ["plan", "--model", "smollm2-135m", "--gpu-mem", "4GiB", "--kv-bits", "16", "--json"])
     data = json.loads(j.stdout)
     assert data["rows"][0]["max_tokens"] == 124_884  # the case computed by hand in tests/test_plan.py

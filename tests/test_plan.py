@@ -76,7 +76,7 @@ def test_host_tier_plan_fits_both_budgets_and_differs_by_format():
     tail block, two staging slices and the device pool; host memory holds host_blocks blocks;
     the tokens are the two pools' blocks a row. Each format's figure is its own (fewer bytes a
     token, more tokens), and the step is the host bytes over the link."""
-    from longctx.plan import _sealed_block_bytes, activation_bytes, kv_bytes, pcie_gbps
+    from longctx.plan import _sealed_block_bytes, activation_bytes, kv_bytes, offload_step_ms, pcie_gbps
 
     shape = model_shape("llama-3.1-8b")
     p = plan(shape, "rtx-4060-ti-16gb", 16, weights_bits=4, host_gib=64)
@@ -91,6 +91,9 @@ def test_host_tier_plan_fits_both_budgets_and_differs_by_format():
         assert gpu <= p.budget.for_kv < gpu + per_block
         assert r.max_tokens_offload == (1 + r.offload_max_blocks + r.host_blocks) * 64 + 63
         assert r.offload_step_ms == pytest.approx(r.host_bytes / 12.5e9 * 1e3)
+        # the step at a given context: the host tier full at the longest, empty while the GPU holds all
+        assert offload_step_ms(shape, cfg, r.max_tokens_offload, r.offload_max_blocks, 12.5) == pytest.approx(r.offload_step_ms)
+        assert offload_step_ms(shape, cfg, (1 + r.offload_max_blocks) * 64, r.offload_max_blocks, 12.5) == 0
     with pytest.raises(ValueError, match="GB/s > 0"):
         plan(shape, "rtx-4090", 24, host_gib=8, pcie=0)
 

@@ -31,7 +31,7 @@ import torch
 
 from ..config import KVConfig
 from ..errors import BackendUnavailableError
-from ..plan import FORMAT_PRESETS, model_shape, plan
+from ..plan import FORMAT_PRESETS, model_shape, offload_step_ms, plan
 from .common import out_of_memory
 from .plan import FORMATS, random_model, to_nf4
 
@@ -51,6 +51,7 @@ class OffloadRow:
     peak_gib: float = float("nan")  # torch.cuda.max_memory_allocated() over the fill and the steps
     fill_s: float = float("nan")
     cpu_ms: float = float("nan")  # the host part's attention computed on the CPU instead, one step (all layers, extrapolated from one)
+    plan_ms: float = float("nan")  # the step `plan` predicts at this context, given the H2D bandwidth measured here
     note: str = ""
 
     def as_dict(self) -> dict:
@@ -194,6 +195,7 @@ def bench_offload(model: str = "llama-3.1-8b", contexts=(262144, 524288, 1048576
         bits = FORMATS[fmt]
         name = f"LongCtxCache {fmt}" + (f" + host tier, {budget_gib:g} GiB budget" if budget else ", all on the GPU")
         cfg = KVConfig(**FORMAT_PRESETS[bits])
+        predicted = float("nan")
         if budget:
             free_host = host_memory_available()
             p = plan(shape, "budget", budget_gib, weights_bits=weights_bits, kv_bits=(bits,), prefill_chunk=1,
@@ -202,6 +204,7 @@ def bench_offload(model: str = "llama-3.1-8b", contexts=(262144, 524288, 1048576
             if p.max_tokens_offload is None or p.offload_max_blocks + p.host_blocks < blocks:
                 return OffloadRow(name, context, float("nan"), note=f"does not fit {budget_gib:g} GiB and this machine's host memory")
             cfg = KVConfig(**FORMAT_PRESETS[bits], max_blocks=p.offload_max_blocks, host_blocks=max(1, blocks - p.offload_max_blocks))
+            predicted = offload_step_ms(shape, cfg, context, p.offload_max_blocks, gbps)
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gib * GIB / total))
         cache = LongCtxCache(net, cfg)
         try:
@@ -216,7 +219,7 @@ def bench_offload(model: str = "llama-3.1-8b", contexts=(262144, 524288, 1048576
             torch.cuda.set_per_process_memory_fraction(1.0)
         floor = host / (gbps * 1e9) * 1e3
         return OffloadRow(name, context, step, host / GIB, floor if host else float("nan"), step / floor if host else float("nan"),
-                          fill_s=fill_s, cpu_ms=cpu_ms, note="random keys and values appended (no prefill)")
+                          fill_s=fill_s, cpu_ms=cpu_ms, plan_ms=predicted, note="random keys and values appended (no prefill)")
 
     def peer(context: int) -> OffloadRow:
         """Each layer filled by one update of the whole context (its updates concatenate: in

@@ -348,8 +348,8 @@ def offload(
     rows = bench_offload(model, ctx, fmts, weights_bits, budget_gib, peers, steps, full_gpu, progress=show)
     show_table(f"Decode past the GPU: {model} shape, {weights} weights, {budget_gib:g} GiB budget for the host-tier rows",
                ("cache", "context", "ms a step", "tok/s", "host GiB a step", "x PCIe floor", "x faster than transformers offloaded",
-                "peak GiB", "fill s", "host part on the CPU, ms a step", "note"),
+                "plan's step ms", "peak GiB", "fill s", "host part on the CPU, ms a step", "note"),
                [(r.name, f"{r.context:,}", _fig(r.step_ms, ",.1f"), _fig(1e3 / r.step_ms, ".2f"), f"{r.host_gib:.2f}" if r.host_gib else "",
-                 _fig(r.over_floor, ".3f", "x"), _fig(r.speedup, ".1f", "x"), _fig(r.peak_gib, ".1f"), _fig(r.fill_s, ".0f"), _fig(r.cpu_ms, ",.0f"),
-                 r.note) for r in rows], left=("cache", "note"), console=console)
+                 _fig(r.over_floor, ".3f", "x"), _fig(r.speedup, ".1f", "x"), _fig(r.plan_ms, ",.1f"), _fig(r.peak_gib, ".1f"), _fig(r.fill_s, ".0f"),
+                 _fig(r.cpu_ms, ",.0f"), r.note) for r in rows], left=("cache", "note"), console=console)
     _write_json(as_json, rows)

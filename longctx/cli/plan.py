@@ -24,6 +24,7 @@ def plan(
     weights_bits: int = typer.Option(16, "--weights-bits", help="16 (bf16), 8 or 4 (bitsandbytes)"),
     kv_bits: str = typer.Option("16,8,4,2", "--kv-bits", help="KV formats to plan, from 16,8,4,2 (2 = int2 with rotation)"),
     host_mem: str = typer.Option(None, "--host-mem", help="pinned host memory for the host tier: 64GiB, or 64GB (10^9 bytes)"),
+    context: str = typer.Option(None, "--context", help="with --host-mem: also the decode step predicted at this many tokens (e.g. 1024k)"),
     pcie_gbps: float = typer.Option(None, "--pcie-gbps", help="the link's pinned host-to-device GB/s for the host tier's speed (default: the card's PCIe generation)"),
     batch: int = typer.Option(1, "--batch", help="rows decoded together"),
     block_size: int = typer.Option(64, "--block-size", help="tokens per page"),
@@ -39,7 +40,8 @@ def plan(
       longctx plan --model llama-3.1-8b --gpu rtx-4090 --weights-bits 4 --host-mem 64GiB
       longctx plan --model ./Qwen2.5-7B-Instruct --gpu rtx-3060-12gb --json
     """
-    from ..plan import catalog_gpus, catalog_models, gpu_memory, model_shape, parse_size_gib
+    from ..config import KVConfig
+    from ..plan import FORMAT_PRESETS, catalog_gpus, catalog_models, gpu_memory, model_shape, offload_step_ms, parse_size_gib
     from ..plan import plan as make_plan
 
     if list_catalog:
@@ -57,11 +59,18 @@ def plan(
     if pcie_gbps is not None and pcie_gbps <= 0:
         raise ValueError(f"--pcie-gbps must be more than 0, got {pcie_gbps}")
     host_gib = parse_size_gib(host_mem) if host_mem else 0.0
+    at = None
+    if context is not None:
+        from .bench import parse_sizes
+
+        at = parse_sizes(context)[0]
+        if not host_gib or at < 1:
+            raise ValueError(f"--context {context} needs --host-mem and a positive number of tokens")
     shape = model_shape(model)
     label, gib = gpu_memory(gpu if gpu or gpu_mem else "rtx-4090", gpu_mem)
     if show_config:
         return print_config(model=shape, gpu={"name": label, "memory_gib": gib}, weights_bits=weights_bits, kv_bits=bits, batch=batch,
-                            block_size=block_size, prefill_chunk=prefill_chunk, host_gib=host_gib, pcie_gbps=pcie_gbps)
+                            block_size=block_size, prefill_chunk=prefill_chunk, host_gib=host_gib, pcie_gbps=pcie_gbps, context=at)
     p = make_plan(shape, label, gib, weights_bits=weights_bits, kv_bits=bits, batch=batch, block_size=block_size,
                   prefill_chunk=prefill_chunk, host_gib=host_gib, pcie=pcie_gbps)
     if as_json:
@@ -71,19 +80,23 @@ def plan(
     limit = f"{p.max_context:,}" if p.max_context else "unknown"
     console.print(f"{p.model} ({p.params / 1e9:.2f}B params, {weights_bits}-bit weights) on {label} ({gib:g} GiB), batch {batch}",
                   highlight=False, soft_wrap=True)
-    host = ["with host tier", "host pinned", "decode step"] if host_gib else []
+    host = ["with host tier", "host pinned", "decode step"] + ([f"step at {at:,}"] if at else []) if host_gib else []
     cols = ["KV format", "KV bytes/token", "max tokens (GPU)"] + host + [f"model limit {limit}"]
     rows = []
-    for r in p.rows:
+    for b, r in zip(bits, p.rows):
         if r.unavailable:
             rows.append([r.format, *["n/a"] * (len(cols) - 1)])
             continue
         cells = [r.format, f"{r.kv_bytes_per_token:,.0f}", f"{r.max_tokens:,}"]
         if host_gib:
             if r.max_tokens_offload is None:
-                cells += ["no room", "", ""]
+                cells += ["no room", "", ""] + ([""] if at else [])
             else:
                 cells += [f"{r.max_tokens_offload:,}", _gib(r.host_bytes), f"{r.offload_step_ms:,.0f} ms"]
+                if at:
+                    fits = at <= r.max_tokens_offload
+                    cfg = KVConfig(**FORMAT_PRESETS[b], block_size=block_size)
+                    cells.append(f"{offload_step_ms(shape, cfg, at, r.offload_max_blocks, p.pcie_gbps, batch):,.0f} ms" if fits else "does not fit")
         cells.append("fits" if r.fits_model_limit else "short")
         rows.append(cells)
     show_table("Longest context per KV format", cols, rows, left=("KV format",), console=console)
