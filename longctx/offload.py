@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 
 import torch
 
@@ -30,6 +31,7 @@ from .ops.paged_attention import paged_attention
 from .ops.pages import Pages, PagedView
 
 RING = 2  # staging pools: one being filled while the kernel reads the other
+ALIGN = 4096  # bytes: each host pool starts on a page of the one pinned buffer
 # default staging slice: pages of at most this many bytes (one layer's format), so that a slice
 # is long enough for the link and the kernel (hundreds of pages) and two stay small beside the
 # device pools
@@ -46,6 +48,20 @@ def host_memory_available() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def pinned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """`nbytes` of host memory as uint8, page-locked for the GPU's copies when `pin`: registered
+    with CUDA at its exact size (torch's pinned allocator rounds a request up to a power of two:
+    21 GiB would pin 32), unregistered when the tensor's memory is freed."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if pin and nbytes:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise MemoryError(f"cudaHostRegister of {nbytes / 2**30:,.2f} GiB returned {err}")
+        weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, buf.data_ptr())
+    return buf
 
 
 def check_host_budget(host_bytes: int, what: str = "host tier") -> None:
@@ -146,6 +162,7 @@ class HostTier:
         self._filled: dict[int, int] = {}  # item -> ring slot holding it, filled and not read yet
         self._turn = 0  # fills so far: the ring slot of the next one is _turn % RING
         self._spilled = None  # event: the last spill's copies are done (device slots free to write)
+        self._buffer: torch.Tensor | None = None  # the one host buffer every host pool is a view of
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -167,22 +184,27 @@ class HostTier:
 
     # ---------------------------------------------------------------- storage
     def _ensure_pools(self) -> None:
-        """The host pools at full size, all layers, pinned on CUDA: all or nothing (a failed
-        pinned allocation leaves no pool behind)."""
+        """The host pools at full size, all layers, in one buffer pinned (on CUDA) at its exact
+        size: all or nothing (a failed allocation or pinning leaves no pool behind)."""
         if self.pages:
             return
         cache = self.cache
         self._cuda = cache.device.type == "cuda"
-        pages = []
+        fields, total = [], 0
+        for layer, fmt in enumerate(cache.formats):
+            for name, shape, dtype in cache._pool_fields(fmt, self.host_blocks):
+                n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                fields.append((layer, name, shape, dtype, total))
+                total += -(-n // ALIGN) * ALIGN
         try:
-            for fmt in cache.formats:
-                p = Pages(fmt)
-                for name, shape, dtype in cache._pool_fields(fmt, self.host_blocks):
-                    setattr(p, name, torch.empty(shape, dtype=dtype, pin_memory=self._cuda))
-                pages.append(p)
-        except RuntimeError as e:
-            raise MemoryError(f"host tier: pinning {self.host_blocks * self.block_bytes() / 2**30:,.2f} GiB failed ({e}); "
-                              "nothing was moved") from None
+            buf = pinned_buffer(total, self._cuda)
+        except (RuntimeError, MemoryError) as e:
+            raise MemoryError(f"host tier: pinning {total / 2**30:,.2f} GiB failed ({e}); nothing was moved") from None
+        pages = [Pages(fmt) for fmt in cache.formats]
+        for layer, name, shape, dtype, at in fields:
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            setattr(pages[layer], name, buf[at : at + n].view(dtype).view(shape))
+        self._buffer = buf
         self.pages = pages
         if self._cuda:
             self._copy, self._spill = torch.cuda.Stream(cache.device), torch.cuda.Stream(cache.device)

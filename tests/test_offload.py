@@ -150,20 +150,18 @@ def test_a_failed_pinned_allocation_leaves_the_cache_as_it_was(monkeypatch):
     k, v = random_kv(1, H, 700, D)
     append_both((ref, off), k[:, :, :300], v[:, :, :300])
     append_both((ref, off), k[:, :, 300:600], v[:, :, 300:600])  # (the next step's seal must spill)
-    real = torch.empty
+    real = offload.pinned_buffer
 
-    def no_pins(*a, **kw):
-        if kw.get("pin_memory") is not None:
-            raise RuntimeError("CUDA error: out of memory")
-        return real(*a, **kw)
+    def no_pins(nbytes, pin):
+        raise RuntimeError("CUDA error: out of memory")
 
-    monkeypatch.setattr(offload.torch, "empty", no_pins)
+    monkeypatch.setattr(offload, "pinned_buffer", no_pins)
     before = ([list(r) for r in off.tables.rows], off.seq_len(), off.block_alloc.num_used())
     with pytest.raises(MemoryError, match="nothing was moved"):
         append_both((off,), k[:, :, 600:601], v[:, :, 600:601])
     assert ([list(r) for r in off.tables.rows], off.seq_len(), off.block_alloc.num_used()) == before
     assert off.host.pages == [] and off.tables.host_columns == 0
-    monkeypatch.setattr(offload.torch, "empty", real)
+    monkeypatch.setattr(offload, "pinned_buffer", real)
     append_both((ref, off), k[:, :, 600:601], v[:, :, 600:601])
     assert off.tables.host_columns > 0
     assert_same_attention(ref, off, torch.randn(1, 4, 1, D))
