@@ -332,8 +332,9 @@ def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16,
 
 def _offload(row: PlanRow, shape: ModelShape, cfg: KVConfig, budget: Budget, batch: int, chunk: int, host: int, gbps: float) -> None:
     """Fill `row`'s host-tier figures. On the GPU: weights, reserves, one chunk's activations
-    (no staging copy of the past: with a host tier attention reads the pages in place), the
-    sinks and a block of tail a row, the two staging slices, and the device pool (whatever is
+    (no staging copy of the past: with a host tier attention reads the pages in place) and its
+    tokens in every layer's tail, the sinks and a block of tail a row, the two staging slices,
+    and the device pool (whatever is
     left, in whole blocks: `offload_max_blocks`). In pinned host memory: `host_blocks` blocks.
     A row holds its sinks, then its share of both pools' blocks, then up to a block of tail.
     The decode step reads every host page across the link: host bytes / (gbps * 10^9)."""
@@ -344,7 +345,10 @@ def _offload(row: PlanRow, shape: ModelShape, cfg: KVConfig, budget: Budget, bat
     per_layer = max(1, per_block // shape.layers)
     stage_blocks = max(batch, STAGE_BYTES // per_layer, 1)
     staging = RING * stage_blocks * per_layer
-    fixed = kv_bytes(shape, cfg, cfg.sink_blocks * P + P - 1, batch) + activation_bytes(shape, chunk, 0, batch) + staging
+    # a chunk's tokens wait in every layer's tail until the next step seals them, and the seal's
+    # finiteness check reads them into booleans: 6 bytes a token, layer, KV head and channel
+    tails = 6 * chunk * batch * shape.layers * shape.kv_heads * shape.head_dim
+    fixed = kv_bytes(shape, cfg, cfg.sink_blocks * P + P - 1, batch) + activation_bytes(shape, chunk, 0, batch) + staging + tails
     device_blocks = max(0, (budget.for_kv - fixed) // per_block)
     if device_blocks < -(-chunk // P) * batch:  # (a chunk's seal must fit the device pool at once)
         return

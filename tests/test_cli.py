@@ -150,7 +150,7 @@ def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeyp
         ("bench", "seal", "--shape", "smollm2-135m"): ["bench", "shape", "formats", "context", "layers"],
         ("bench", "e2e", "--layers", "2"): ["bench", "shape", "formats", "context", "new_tokens", "chunk", "graphs", "compiled"],
         ("plan", "--gpu", "rtx-3090", "--kv-bits", "4"): ["model", "gpu", "weights_bits", "kv_bits", "batch", "block_size",
-                                                        "prefill_chunk", "host_gib", "pcie_gbps"],
+                                                        "prefill_chunk", "host_gib", "pcie_gbps", "context"],
     }
     for args, sections in cases.items():
         r = runner.invoke(app, [*args, "--print-config"])

@@ -72,8 +72,8 @@ def test_fewer_bits_fit_more_and_bigger_budgets_fit_more():
 
 
 def test_host_tier_plan_fits_both_budgets_and_differs_by_format():
-    """With a host tier: the GPU holds weights, reserves, a chunk's activations, sinks and a
-    tail block, two staging slices and the device pool; host memory holds host_blocks blocks;
+    """With a host tier: the GPU holds weights, reserves, a chunk's activations and tails, sinks
+    and a tail block, two staging slices and the device pool; host memory holds host_blocks blocks;
     the tokens are the two pools' blocks a row. Each format's figure is its own (fewer bytes a
     token, more tokens), and the step is the host bytes over the link."""
     from longctx.plan import _sealed_block_bytes, activation_bytes, kv_bytes, offload_step_ms, pcie_gbps
@@ -87,7 +87,8 @@ def test_host_tier_plan_fits_both_budgets_and_differs_by_format():
         cfg = KVConfig(**({"bits": 2, "rotate": True} if r.format == "int2+rot" else {"bits": int(r.format[3:]) if r.format != "bf16" else 16}))
         per_block = _sealed_block_bytes(shape, cfg.resolve(shape.layers, shape.head_dim), 2)
         assert r.host_bytes == r.host_blocks * per_block <= 64 * 2**30 < (r.host_blocks + 1) * per_block
-        gpu = kv_bytes(shape, cfg, 127, 1) + activation_bytes(shape, 2048, 0) + r.staging_bytes + r.offload_max_blocks * per_block
+        tails = 6 * 2048 * 32 * 8 * 128  # (a chunk in every layer's tail, and its finiteness check)
+        gpu = kv_bytes(shape, cfg, 127, 1) + activation_bytes(shape, 2048, 0) + tails + r.staging_bytes + r.offload_max_blocks * per_block
         assert gpu <= p.budget.for_kv < gpu + per_block
         assert r.max_tokens_offload == (1 + r.offload_max_blocks + r.host_blocks) * 64 + 63
         assert r.offload_step_ms == pytest.approx(r.host_bytes / 12.5e9 * 1e3)

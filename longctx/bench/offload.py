@@ -36,7 +36,7 @@ from .common import out_of_memory
 from .plan import FORMATS, random_model, to_nf4
 
 GIB = 2**30
-FILL_CHUNK = 8192  # tokens a row appended at a time while filling
+FILL_CHUNK = 4096  # tokens a row appended at a time while filling (plan's chunk for the device pool)
 
 
 @dataclass
@@ -198,7 +198,7 @@ def bench_offload(model: str = "llama-3.1-8b", contexts=(262144, 524288, 1048576
         predicted = float("nan")
         if budget:
             free_host = host_memory_available()
-            p = plan(shape, "budget", budget_gib, weights_bits=weights_bits, kv_bits=(bits,), prefill_chunk=1,
+            p = plan(shape, "budget", budget_gib, weights_bits=weights_bits, kv_bits=(bits,), prefill_chunk=FILL_CHUNK,
                      host_gib=free_host * 0.8 / GIB).rows[0]
             blocks = -(-context // cfg.block_size) + 8  # (the steps' tokens, a spill's headroom)
             if p.max_tokens_offload is None or p.offload_max_blocks + p.host_blocks < blocks:
