@@ -83,6 +83,16 @@ def host_part_on_cpu_ms(paged, heads: int) -> float:
     return (time.perf_counter() - t0) * 1e3 * t.host_columns / (end - t.sink_blocks) * paged.num_layers
 
 
+def release_pinned() -> None:
+    """Give torch's cached pinned host blocks back (their names differ across torch versions)."""
+    gc.collect()
+    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
+        fn = getattr(torch._C, name, None)
+        if fn is not None:
+            fn()
+            return
+
+
 def h2d_gbps(device, nbytes: int = GIB, reps: int = 5) -> float:
     """The best of `reps` pinned host -> device copies of `nbytes`, GB/s (10^9 bytes)."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -237,6 +247,7 @@ def bench_offload(model: str = "llama-3.1-8b", contexts=(262144, 524288, 1048576
         del k
         step = decode(cache, context)
         del cache
+        release_pinned()  # (its offloaded layers went to pinned memory, which torch keeps cached)
         return OffloadRow(name, context, step, fill_s=fill_s, note="random keys and values (no prefill)")
 
     for context in sorted(set(contexts) | set(peer_contexts)):
