@@ -86,6 +86,8 @@ def host_part_on_cpu_ms(paged, heads: int) -> float:
 def release_pinned() -> None:
     """Give torch's cached pinned host blocks back (their names differ across torch versions)."""
     gc.collect()
+    if not torch.cuda.is_available():
+        return
     for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
         fn = getattr(torch._C, name, None)
         if fn is not None:
@@ -222,8 +224,9 @@ def bench_offload(model: str = "llama-3.1-8b", contexts=(262144, 524288, 1048576
             cache.paged.seal()
             step = decode(cache, context)
             host = cache.paged.memory_report().bytes_by_tier["host"]
-            cpu_ms = host_part_on_cpu_ms(cache.paged, shape.heads) if host and measure_cpu[0] else float("nan")
-            measure_cpu[0] = False  # (once a run: minutes at the longest contexts)
+            cpu_ms = float("nan")
+            if host and measure_cpu[0]:  # (once a run, at the first row with host pages)
+                cpu_ms, measure_cpu[0] = host_part_on_cpu_ms(cache.paged, shape.heads), False
         finally:
             cache.detach()
             torch.cuda.set_per_process_memory_fraction(1.0)
