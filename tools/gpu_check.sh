@@ -11,6 +11,7 @@
 #   FLASH_TAR=.flash/flash-attn-2.8.3.post2-sm90.tar.xz bash tools/gpu_check.sh flash   # with flash-attn (tools/pack_flash_attn.sh)
 #   TRITON_TAR=.triton/triton-3.8.0.tar.xz bash tools/gpu_check.sh tests                 # on a carried Triton (tools/pack_triton.sh)
 #   TESTS="tests/ops/test_gather_dequant_triton.py" bash tools/gpu_check.sh tests
+#   TESTS_K="host or load_in_4bit" TESTS_LIMIT=120 TESTS="tests/test_offload.py tests/test_cuda.py" bash tools/gpu_check.sh tests
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
