@@ -1,4 +1,5 @@
-"""Quality measurements of KV formats: perplexity under chunked feeding, and passkey retrieval.
+"""Quality measurements of KV formats: perplexity, KL divergence from the exact cache and
+top-1 agreement (chunked or decode-mode feeding), and passkey retrieval.
 
 Results are dataclasses; rendering lives in cli/. A "cache spec" is what to measure:
 - a `KVConfig`: a LongCtxCache of that format;
@@ -21,6 +22,7 @@ import torch
 from .config import KVConfig
 from .errors import BackendUnavailableError
 from .generate import greedy, prefill
+from .integrations.transformers import cache_kwargs
 
 CacheSpec = KVConfig | Callable | None
 
@@ -149,6 +151,121 @@ def perplexity(
         bytes_per_token=report.bytes_per_token if report else None,
         ratio_to_bf16=report.ratio_to_bf16 if report else None,
     )
+
+
+# ---------------------------------------------------------------------- quality against the exact cache
+MODES = ("chunked", "decode")
+
+
+@dataclass
+class QualityResult:
+    """One cache's scores over the scored tokens of a text, against the exact cache's
+    distributions at the same tokens (the exact run itself: KL 0, top-1 agreement 1)."""
+
+    name: str
+    mode: str  # "chunked": the text fed `chunk` tokens a forward; "decode": its last tokens one a step
+    ppl: float
+    nll: float  # mean negative log-likelihood per scored token (nats)
+    scored: int  # tokens scored
+    tokens: int  # tokens fed
+    chunk: int
+    seconds: float
+    kl_mean: float  # KL(exact || this) per scored token, nats
+    kl_p99: float
+    kl_max: float
+    top1: float  # share of scored tokens whose most likely next token is the exact cache's
+    bytes_per_token: float | None = None  # longctx caches only
+    ratio_to_bf16: float | None = None
+
+    def delta_pct(self, baseline: QualityResult) -> float:
+        return 100.0 * (self.ppl / baseline.ppl - 1.0)
+
+
+def quality(
+    model,
+    tokenizer,
+    specs: list[tuple[str, CacheSpec]],
+    text: str | None = None,
+    *,
+    mode: str = "chunked",
+    chunk: int = 128,
+    decode_tokens: int = 256,
+    max_tokens: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> list[QualityResult]:
+    """Perplexity, KL divergence from the exact cache and top-1 agreement of each cache in
+    `specs` [(name, spec)], with the exact cache (DynamicCache) run once beside them: every
+    cache takes the same forward in turn, so its logits are compared with the exact ones of
+    that forward and no distribution is kept beyond it.
+
+    mode "chunked": the text is fed `chunk` tokens a forward and every token after the first is
+    scored (each chunk reads itself exactly, earlier chunks through the cache). mode "decode":
+    all but the last `decode_tokens` + 1 tokens are prefilled in chunks, unscored, then the
+    last ones are fed one a step and each prediction is scored, so every scored token reads all
+    earlier ones through the cache (the sealed pages, and the unsealed tail of under a block).
+    on_progress(forwards_done, forwards) follows the run. Returns the exact cache's result
+    first, then one per spec."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    text = default_text() if text is None else text
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    if max_tokens is not None:
+        ids = ids[:, :max_tokens]
+    T = ids.shape[1]
+    if T < 2:
+        raise ValueError("quality needs at least 2 tokens of text")
+    if mode == "decode" and not 1 <= decode_tokens <= T - 2:
+        raise ValueError(f"decode mode scores 1 .. {T - 2} tokens of this {T}-token text, got decode_tokens={decode_tokens}")
+    runs = [("exact (DynamicCache)", None)] + list(specs)
+    # the forwards: (first, last) token indices fed, and whether their predictions are scored
+    if mode == "chunked":
+        steps = [(a, min(T, a + chunk), True) for a in range(0, T, chunk)]
+    else:
+        warm = T - decode_tokens - 1
+        steps = [(a, min(warm, a + chunk), False) for a in range(0, warm, chunk)] + [(t, t + 1, True) for t in range(warm, T - 1)]
+    targets = ids[0, 1:].to(model.device)
+    caches = [make_cache(model, spec) for _, spec in runs]
+    nll = [torch.zeros((), dtype=torch.float64) for _ in runs]
+    kls: list[list[torch.Tensor]] = [[] for _ in runs]
+    agree = [0] * len(runs)
+    scored = 0
+    seconds = [0.0] * len(runs)
+    try:
+        with torch.no_grad():
+            for i, (a, b, score) in enumerate(steps):
+                chunk_ids = ids[:, a:b].to(model.device)
+                exact_lp = exact_top = None
+                for r, cache in enumerate(caches):
+                    t0 = time.perf_counter()
+                    logits = model(input_ids=chunk_ids, use_cache=True, **cache_kwargs(model, cache)).logits[0].float()
+                    seconds[r] += time.perf_counter() - t0
+                    if not score:
+                        continue
+                    tgt = targets[a:b]
+                    lp = torch.log_softmax(logits[: tgt.shape[0]], dim=-1)
+                    nll[r] += -lp.gather(1, tgt[:, None]).sum().double().cpu()
+                    top = lp.argmax(-1)
+                    if r == 0:
+                        exact_lp, exact_top = lp, top
+                    kls[r].append((exact_lp.exp() * (exact_lp - lp)).sum(-1).clamp(min=0).double().cpu())
+                    agree[r] += int((top == exact_top).sum())
+                if score:
+                    scored += min(b, T - 1) - a
+                if on_progress is not None:
+                    on_progress(i + 1, len(steps))
+        reports = [c.memory_report() if hasattr(c, "memory_report") else None for c in caches]
+    finally:
+        for c in caches:
+            _release(c)
+    out = []
+    for r, (name, _) in enumerate(runs):
+        kl = torch.cat(kls[r])
+        mean_nll = float(nll[r]) / scored
+        rep = reports[r]
+        out.append(QualityResult(name, mode, math.exp(mean_nll), mean_nll, scored, T, chunk, seconds[r], float(kl.mean()),
+                                 float(torch.quantile(kl, 0.99)), float(kl.max()), agree[r] / scored,
+                                 rep.bytes_per_token if rep else None, rep.ratio_to_bf16 if rep else None))
+    return out
 
 
 # ---------------------------------------------------------------------- passkey

@@ -143,7 +143,8 @@ def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeyp
     monkeypatch.setattr(longctx.models, "load_model", no_model)
     cases = {
         ("chat", "--kv-bits", "2", "--rotate", "--max-context", "1000", "--temperature", "0"): ["model", "kv", "sampling", "chat"],
-        ("eval", "quality", "--formats", "int4,int2+rot"): ["eval", "model", "formats", "text", "chunk", "quanto", "device"],
+        ("eval", "quality", "--formats", "int4,int2+rot"): ["eval", "model", "formats", "text", "chunk", "modes", "decode_tokens", "quanto",
+                                                        "device"],
         ("eval", "passkey", "--depths", "0.5"): ["eval", "model", "formats", "tokens", "depths", "device"],
         ("bench", "decode", "--cases", "128k:1,32k:8", "--formats", "int8"): ["bench", "shape", "formats", "cases", "graph", "peers"],
         ("bench", "prefill",): ["bench", "shape", "formats", "contexts", "chunks", "paths"],
@@ -505,6 +506,8 @@ def test_files_and_options_are_checked_before_any_model_loads(tmp_path, monkeypa
               (["chat", "--prompt", "hi", "--temperature", "-1"], "--temperature must be at least 0"),
               (["chat", "--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
               (["eval", "quality", "--chunk", "0"], "--chunk must be at least 1, got 0"),
+              (["eval", "quality", "--mode", "fast"], "--mode must be chunked, decode or both, got 'fast'"),
+              (["eval", "quality", "--decode-tokens", "0"], "--decode-tokens must be at least 1, got 0"),
               (["eval", "passkey", "--tokens", "-5"], "--tokens must be at least 1, got -5")]
     for args, says in cases:
         line = one_line_error(runner.invoke(app, args), args)
@@ -520,10 +523,15 @@ def test_eval_quality_refuses_a_text_it_could_not_measure_on(tmp_path, reuse_mod
     assert "within one chunk of 128" in one_line_error(runner.invoke(app, args), args)
     args = ["eval", "quality", "--text", str(binary)]
     assert f"--text {binary} is not UTF-8 text" in one_line_error(runner.invoke(app, args), args)
-    r = runner.invoke(app, ["eval", "quality", "--text", str(enough), "--formats", "int4", "--chunk", "32", "--json"])
+    args = ["eval", "quality", "--text", str(enough), "--formats", "int4", "--chunk", "32"]
+    assert "decode mode scores its last --decode-tokens 256" in one_line_error(runner.invoke(app, args), args)
+    r = runner.invoke(app, [*args, "--decode-tokens", "16", "--json"])
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)
-    assert rows[1]["format"] == "int4" and rows[1]["tokens"] > 32 and rows[1]["delta_pct"] != 0.0  # the pages were read back
+    assert [(row["format"], row["mode"]) for row in rows] == [("exact (DynamicCache)", "chunked"), ("int4", "chunked"),
+                                                              ("exact (DynamicCache)", "decode"), ("int4", "decode")]
+    assert rows[1]["tokens"] > 32 and rows[1]["delta_pct"] != 0.0 and rows[1]["kl_mean"] > 0  # the pages were read back
+    assert rows[0]["kl_max"] == 0 and rows[0]["top1"] == 1 and rows[3]["scored"] == 16 and 0 < rows[3]["top1"] <= 1
 
 
 def test_chat_bad_inputs_are_one_line_errors(tmp_path):

@@ -137,6 +137,26 @@ def quality(smol):
     return results
 
 
+def test_kl_and_top1_against_the_exact_cache_in_both_modes(smol):
+    """One run of the exact cache beside the formats: its own KL is 0 and agreement 1; the
+    chunked perplexity equals `perplexity()`'s (the same forwards); fewer bits diverge more from
+    the exact distributions in both modes; decode mode scores the last tokens one a step."""
+    from longctx.eval import quality as measure
+
+    model, tok = smol
+    restore(model)
+    specs = [("int8", KVConfig(bits=8)), ("int4", KVConfig(bits=4)), ("int2+rot", KVConfig(bits=2, rotate=True, block_size=16))]
+    for mode in ("chunked", "decode"):
+        exact, int8, int4, int2 = measure(model, tok, specs, mode=mode, decode_tokens=48, max_tokens=1200)
+        assert exact.kl_max == 0 and exact.top1 == 1 and exact.mode == int4.mode == mode and exact.tokens == 1200
+        assert 0 < int8.kl_mean < int4.kl_mean < int2.kl_mean and int8.kl_p99 <= int8.kl_max
+        if mode == "chunked":  # (1,199 tokens: the agreement falls with the bits; over decode's 48 it may tie)
+            assert int2.top1 < int4.top1 < 1 and exact.scored == 1199
+            assert int4.ppl == pytest.approx(perplexity(model, tok, kv=KVConfig(bits=4), chunk=128, max_tokens=1200).ppl, rel=1e-9)
+        else:
+            assert int2.top1 <= int4.top1 <= 1 and exact.scored == 48
+
+
 def test_quality_text_is_long_enough(quality):
     assert quality["exact"].tokens >= 2048
 

@@ -1,4 +1,5 @@
-"""`longctx eval`: quality of KV formats on a real model (perplexity, passkey retrieval)."""
+"""`longctx eval`: quality of KV formats on a real model (perplexity, KL divergence, top-1
+agreement, passkey retrieval)."""
 
 from __future__ import annotations
 
@@ -28,49 +29,65 @@ def quality(
     formats: str = typer.Option("int8,int4,int4+rot,int2+rot", help=f"comma-separated, from: {', '.join(FORMATS)}"),
     text: Path = typer.Option(None, "--text", help="UTF-8 text file (default: the English text shipped with longctx)"),
     chunk: int = typer.Option(128, help="tokens fed per forward; earlier chunks are read back from the cache"),
+    mode: str = typer.Option("both", help="chunked (the text in chunks, every token scored), decode (its last --decode-tokens "
+                             "fed one a step) or both"),
+    decode_tokens: int = typer.Option(256, "--decode-tokens", help="tokens scored one a step in decode mode"),
     quanto: bool = typer.Option(False, "--quanto", help="also measure Hugging Face's QuantizedCache (quanto int4; needs optimum-quanto)"),
     device: str = typer.Option(None, help="cpu or cuda (default: cuda when available)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     show_config: bool = print_config_option(),
 ) -> None:
-    """Perplexity change of each KV format against an exact DynamicCache.
+    """Perplexity change, KL divergence from the exact cache (DynamicCache, run once beside the
+    formats) and top-1 agreement of each KV format, in chunked and decode mode.
 
-    Example: longctx eval quality --formats int8,int4 --quanto
+    Example: longctx eval quality --formats int8,int4 --mode decode --quanto
     """
-    from ..eval import perplexity, quanto_cache
+    from ..eval import MODES, default_text, quality as measure, quanto_cache
     from ..models import load_model
 
     kv_specs = _formats(formats)
     specs = kv_specs + ([("HF quanto int4", quanto_cache(4))] if quanto else [])  # (checks optimum-quanto first)
     body = read_text_file(text, "--text") if text is not None else None
     at_least(chunk, 1, "--chunk")
+    at_least(decode_tokens, 1, "--decode-tokens")
+    if mode not in (*MODES, "both"):
+        raise ValueError(f"--mode must be chunked, decode or both, got {mode!r}")
+    modes = MODES if mode == "both" else (mode,)
     if show_config:  # group_size null: the model's head_dim sets it when the cache is built
         return print_config(eval="quality", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(kv_specs),
-                            text=text, chunk=chunk, quanto=quanto, device=device)
+                            text=text, chunk=chunk, modes=list(modes), decode_tokens=decode_tokens, quanto=quanto, device=device)
     console = Console(stderr=True)
     with console.status("loading model..."):
         mdl, tok = load_model(model, device=device)
-    if body is not None and (n := len(tok(body).input_ids)) <= chunk:
+    n = len(tok(body if body is not None else default_text()).input_ids)
+    if body is not None and n <= chunk:
         raise ValueError(f"--text is {n} tokens, within one chunk of {chunk}: no chunk would read the cache back, so every format "
                          "would score as the exact cache. Use a longer text or a smaller --chunk")
-    runs = [("exact (DynamicCache)", None)] + specs
+    if "decode" in modes and n < decode_tokens + 2:
+        raise ValueError(f"the text is {n} tokens; decode mode scores its last --decode-tokens {decode_tokens} one a step after at "
+                         f"least one other, so it needs {decode_tokens + 2}: use a longer text, fewer --decode-tokens or --mode chunked")
     results = []
-    with Progress(TextColumn("perplexity {task.fields[run]}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"), TimeElapsedColumn(),
+    with Progress(TextColumn("{task.fields[run]}"), BarColumn(), MofNCompleteColumn(), TextColumn("forwards"), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
-        for name, spec in runs:
-            task = bar.add_task("perplexity", total=None, run=name)
-            results.append((name, perplexity(mdl, tok, body, kv=spec, chunk=chunk,
-                                             on_progress=lambda done, total, task=task: bar.update(task, completed=done, total=total))))
+        for m in modes:
+            task = bar.add_task("quality", total=None, run=f"{m} mode, {len(specs) + 1} caches")
+            results += measure(mdl, tok, specs, body, mode=m, chunk=chunk, decode_tokens=decode_tokens,
+                               on_progress=lambda done, total, task=task: bar.update(task, completed=done, total=total))
             bar.remove_task(task)
-    base = results[0][1]
+    base = {r.mode: r for r in results if r.name.startswith("exact")}
     if as_json:
-        rows = [dict(format=n, ppl=r.ppl, delta_pct=r.delta_pct(base), tokens=r.tokens, chunk=r.chunk, seconds=r.seconds,
-                     bytes_per_token=r.bytes_per_token, ratio_to_bf16=r.ratio_to_bf16) for n, r in results]
+        rows = [dict(format=r.name, mode=r.mode, ppl=r.ppl, delta_pct=r.delta_pct(base[r.mode]), kl_mean=r.kl_mean, kl_p99=r.kl_p99,
+                     kl_max=r.kl_max, top1=r.top1, scored=r.scored, tokens=r.tokens, chunk=r.chunk, seconds=r.seconds,
+                     bytes_per_token=r.bytes_per_token, ratio_to_bf16=r.ratio_to_bf16) for r in results]
         typer.echo(json.dumps(rows, indent=2))
         return
-    show_table(f"Perplexity, {base.tokens} tokens fed in chunks of {chunk}", ("format", "perplexity", "change", "bytes/token vs bf16", "seconds"),
-               [(name, f"{r.ppl:.4f}", f"{r.delta_pct(base):+.3f} %", f"{r.ratio_to_bf16:.3f}" if r.ratio_to_bf16 is not None else "-",
-                 f"{r.seconds:.1f}") for name, r in results], left=("format",))
+    r0 = results[0]
+    how = " and ".join(f"{m} ({base[m].scored:,} tokens scored)" for m in modes)
+    show_table(f"Quality against the exact cache, {r0.tokens:,} tokens, chunks of {chunk}: {how}",
+               ("format", "mode", "perplexity", "change", "KL mean", "KL p99", "KL max", "top-1 agree", "bytes/token vs bf16", "seconds"),
+               [(r.name, r.mode, f"{r.ppl:.4f}", f"{r.delta_pct(base[r.mode]):+.3f} %", f"{r.kl_mean:.5f}", f"{r.kl_p99:.4f}", f"{r.kl_max:.4f}",
+                 f"{100 * r.top1:.2f} %", f"{r.ratio_to_bf16:.3f}" if r.ratio_to_bf16 is not None else "-", f"{r.seconds:.1f}")
+                for r in results], left=("format", "mode"))
 
 
 @app.command("passkey")
