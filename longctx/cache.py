@@ -346,11 +346,12 @@ class PagedKVCache:
                     "tokens a row). Nothing was lost.")
             avail += self._spill(n_quant_new - avail)
         if avail is not None and n_quant_new > avail:
+            fit = max(0, (avail + (self.host_alloc.num_available() if self.host is not None else 0)) // max(1, self.batch_size)) * P
+            where = f"max_blocks={self.config.max_blocks}" + (f" and host_blocks={self.config.host_blocks}" if self.host is not None else "")
+            moved = " (the host tier could take no more of the device's)" if self.host is not None else ""
             raise CacheFullError(
-                f"cache full: sealing needs {n_quant_new} blocks, {avail} of max_blocks={self.config.max_blocks} "
-                f"are free; {max(0, avail // max(1, self.batch_size)) * P} more tokens per row fit. Nothing was lost.",
-                max(0, avail // max(1, self.batch_size)) * P,
-            )
+                f"cache full: sealing needs {n_quant_new} blocks, {avail} of {where} are free on the device{moved}; "
+                f"{fit} more tokens per row fit. Nothing was lost.", fit)
         # 2. Check every layer's new blocks before changing any state (a NaN raises here: one
         # check of all layers' new blocks, one host sync per seal).
         rep_rows = [[g[0] for g in groups] for groups in plan]

@@ -178,7 +178,7 @@ class HostTier:
 
     def reserved_bytes(self) -> tuple[int, int]:
         """(host bytes the pools hold, device bytes the staging pools hold)."""
-        host = sum(t.numel() * t.element_size() for p in self.pages for t in p.tensors().values())
+        host = self._buffer.numel() if self._buffer is not None else 0
         stage = sum(t.numel() * t.element_size() for p in self._stage.values() for t in p.tensors().values())
         return host, stage
 
