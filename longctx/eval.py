@@ -327,3 +327,36 @@ def passkey(
         if on_result is not None:
             on_result(results[-1])
     return results
+
+
+@dataclass
+class NeedleGrid:
+    """Passkey retrieval of one cache at every (length, depth): results[i][j] for lengths[i]
+    and depths[j], each the `passkey` run of that length at that depth."""
+
+    name: str
+    lengths: list[int]
+    depths: list[float]
+    results: list[list[PasskeyResult]]
+
+    @property
+    def accuracy(self) -> float:
+        cells = [r.found for row in self.results for r in row]
+        return sum(cells) / len(cells)
+
+
+def needle(
+    model,
+    tokenizer,
+    kv: CacheSpec = None,
+    *,
+    lengths=(1024, 2048, 4096),
+    depths=(0.1, 0.3, 0.5, 0.7, 0.9),
+    seed: int = 0,
+    chunk: int = 512,
+    on_result: Callable[[PasskeyResult], None] | None = None,
+) -> NeedleGrid:
+    """A needle map: `passkey` at each prompt length in `lengths` over `depths` (the same keys
+    as `passkey(..., n_tokens=length, depths=depths, seed=seed)`, so a cell equals that run's)."""
+    rows = [passkey(model, tokenizer, kv, depths=depths, n_tokens=n, seed=seed, chunk=chunk, on_result=on_result) for n in lengths]
+    return NeedleGrid(spec_name(kv), list(lengths), list(depths), rows)

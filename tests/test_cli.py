@@ -534,6 +534,27 @@ def test_eval_quality_refuses_a_text_it_could_not_measure_on(tmp_path, reuse_mod
     assert rows[0]["kl_max"] == 0 and rows[0]["top1"] == 1 and rows[3]["scored"] == 16 and 0 < rows[3]["top1"] <= 1
 
 
+def test_eval_needle_grid_is_passkey_at_each_length_and_plots(tmp_path, reuse_model):
+    """Each cell of the needle map is `eval passkey`'s run at that length and depth (the same
+    key, the same answer); --plot draws a PNG heatmap."""
+    png = tmp_path / "needle.png"
+    r = runner.invoke(app, ["eval", "needle", "--formats", "int4", "--lengths", "300,600", "--depths", "0.25,0.75", "--plot", str(png), "--json"])
+    assert r.exit_code == 0, r.output
+    grids = json.loads(r.stdout)
+    assert [g["format"] for g in grids] == ["exact (DynamicCache)", "int4"] and grids[1]["lengths"] == [300, 600]
+    for i, n in enumerate((300, 600)):
+        p = runner.invoke(app, ["eval", "passkey", "--formats", "int4", "--tokens", str(n), "--depths", "0.25,0.75", "--json"])
+        assert p.exit_code == 0, p.output
+        rows = json.loads(p.stdout)
+        for g in grids:
+            mine = [row for row in rows if row["format"] == g["format"]]
+            assert [row["found"] for row in mine] == g["found"][i] and [row["answer"] for row in mine] == g["answers"][i]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
+    assert 0 <= grids[0]["accuracy"] <= 1
+    one_line_error(runner.invoke(app, ["eval", "needle", "--depths", "2"]), "--depths 2")
+    one_line_error(runner.invoke(app, ["eval", "needle", "--lengths", "4x"]), "--lengths 4x")
+
+
 def test_chat_bad_inputs_are_one_line_errors(tmp_path):
     for args in (["chat", "--kv-bits", "3", "--prompt", "x"], ["chat", "--file", str(tmp_path / "missing.txt")],
                  ["chat", "--model", str(tmp_path / "none.gguf"), "--prompt", "x"], ["chat", "--device", "tpu"]):

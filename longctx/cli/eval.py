@@ -3,6 +3,7 @@ agreement, passkey retrieval)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -143,3 +144,91 @@ def passkey_cmd(
     show_table(f"Passkey retrieval, prompts of {span} tokens", ["format"] + [f"depth {d:.1f}" for d in ds],
                [[name] + [("[green]found[/]" if r.found else f"[red]{r.answer[:12]!r}[/]") for r in res] for name, res in results],
                left=("format",))
+
+
+@app.command("needle")
+def needle_cmd(
+    model: str = typer.Option(None, "--model", help="hub id, local dir or .gguf file (default: embedded SmolLM2-135M-Instruct)"),
+    formats: str = typer.Option("int4,int2+rot", help=f"comma-separated, from: {', '.join(FORMATS)}"),
+    lengths: str = typer.Option("1k,2k,4k", help="prompt lengths in tokens, e.g. 1k,4k,16k (up to the model's context)"),
+    depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="where the key is hidden, as fractions"),
+    plot: Path = typer.Option(None, "--plot", help="also draw the maps as a heatmap PNG (needs matplotlib)"),
+    device: str = typer.Option(None, help="cpu or cuda (default: cuda when available)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    show_config: bool = print_config_option(),
+) -> None:
+    """A needle map per format: a 5-digit key hidden at each depth of prompts of each length
+    (the exact cache's map first); each cell is `eval passkey`'s run at that length and depth.
+
+    Example: longctx eval needle --formats int4,int2+rot --lengths 1k,2k,4k,8k --plot needle.png
+    """
+    from ..eval import needle, passkey_prompt
+    from ..models import load_model
+    from .bench import parse_sizes
+
+    specs = _formats(formats)
+    ns = parse_sizes(lengths)
+    try:
+        ds = tuple(float(d) for d in depths.split(","))
+    except ValueError:
+        raise ValueError(f"--depths must be comma-separated numbers, got {depths!r}") from None
+    if not all(0.0 <= d <= 1.0 for d in ds):
+        raise ValueError(f"--depths must lie in [0, 1], got {depths!r}")
+    for n in ns:
+        at_least(n, 1, "--lengths")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib")
+    if show_config:
+        return print_config(eval="needle", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(specs), lengths=ns, depths=ds,
+                            plot=plot, device=device)
+    console = Console(stderr=True)
+    with console.status("loading model..."):
+        mdl, tok = load_model(model, device=device)
+    for n in ns:
+        passkey_prompt(tok, n, 0.5, "00000")  # (refuses a length too short for a prompt, before any run)
+    trained = getattr(getattr(mdl, "config", None), "max_position_embeddings", None)
+    if trained and max(ns) > trained:
+        console.print(f"[yellow]warning:[/] prompts of up to {max(ns):,} tokens pass the model's trained context ({trained:,} positions): "
+                      "expect misses for every format, the exact cache's too", highlight=False)
+    runs = [("exact (DynamicCache)", None)] + specs
+    grids = []
+    with Progress(TextColumn("needle {task.fields[run]}"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("needle", total=len(runs) * len(ns) * len(ds), run=runs[0][0])
+        for name, spec in runs:
+            bar.update(task, run=name)
+            grid = needle(mdl, tok, spec, lengths=ns, depths=ds, on_result=lambda _: bar.advance(task))
+            grid.name = name
+            grids.append(grid)
+    if plot is not None:
+        _plot_needle(grids, plot)
+    if as_json:
+        typer.echo(json.dumps([dict(format=g.name, accuracy=g.accuracy, lengths=g.lengths, depths=g.depths,
+                                    found=[[r.found for r in row] for row in g.results],
+                                    answers=[[r.answer for r in row] for row in g.results],
+                                    prompt_tokens=[[r.prompt_tokens for r in row] for row in g.results]) for g in grids], indent=2))
+        return
+    for g in grids:
+        show_table(f"Needle map, {g.name}: {100 * g.accuracy:.0f} % found", ["length"] + [f"depth {d:.1f}" for d in ds],
+                   [[f"{n:,}"] + [("[green]found[/]" if r.found else f"[red]{r.answer[:12]!r}[/]") for r in row] for n, row in zip(ns, g.results)],
+                   left=("length",))
+
+
+def _plot_needle(grids, path: Path) -> None:
+    """One heatmap a cache: depth (rows) by prompt length (columns), green where the key was found."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    fig, axes = plt.subplots(1, len(grids), figsize=(3.2 * len(grids) + 0.6, 3.4), squeeze=False)
+    for ax, g in zip(axes[0], grids):
+        cells = [[float(g.results[i][j].found) for i in range(len(g.lengths))] for j in range(len(g.depths))]
+        ax.imshow(cells, cmap=ListedColormap(["#d62728", "#2ca02c"]), vmin=0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(g.lengths)), [f"{n:,}" for n in g.lengths], rotation=45, fontsize=7)
+        ax.set_yticks(range(len(g.depths)), [f"{d:.2f}" for d in g.depths], fontsize=7)
+        ax.set(xlabel="prompt tokens", ylabel="depth", title=f"{g.name}\n{100 * g.accuracy:.0f} % found")
+        ax.title.set_fontsize(8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
