@@ -144,7 +144,7 @@ def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeyp
     cases = {
         ("chat", "--kv-bits", "2", "--rotate", "--max-context", "1000", "--temperature", "0"): ["model", "kv", "sampling", "chat"],
         ("eval", "quality", "--formats", "int4,int2+rot"): ["eval", "model", "formats", "text", "chunk", "modes", "decode_tokens", "quanto",
-                                                        "device"],
+                                                        "plot", "device"],
         ("eval", "passkey", "--depths", "0.5"): ["eval", "model", "formats", "tokens", "depths", "device"],
         ("bench", "decode", "--cases", "128k:1,32k:8", "--formats", "int8"): ["bench", "shape", "formats", "cases", "graph", "peers"],
         ("bench", "prefill",): ["bench", "shape", "formats", "contexts", "chunks", "paths"],
@@ -525,7 +525,9 @@ def test_eval_quality_refuses_a_text_it_could_not_measure_on(tmp_path, reuse_mod
     assert f"--text {binary} is not UTF-8 text" in one_line_error(runner.invoke(app, args), args)
     args = ["eval", "quality", "--text", str(enough), "--formats", "int4", "--chunk", "32"]
     assert "decode mode scores its last --decode-tokens 256" in one_line_error(runner.invoke(app, args), args)
-    r = runner.invoke(app, [*args, "--decode-tokens", "16", "--json"])
+    png = tmp_path / "quality.png"
+    r = runner.invoke(app, [*args, "--decode-tokens", "16", "--plot", str(png), "--json"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)
     assert [(row["format"], row["mode"]) for row in rows] == [("exact (DynamicCache)", "chunked"), ("int4", "chunked"),

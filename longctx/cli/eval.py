@@ -34,6 +34,7 @@ def quality(
                              "fed one a step) or both"),
     decode_tokens: int = typer.Option(256, "--decode-tokens", help="tokens scored one a step in decode mode"),
     quanto: bool = typer.Option(False, "--quanto", help="also measure Hugging Face's QuantizedCache (quanto int4; needs optimum-quanto)"),
+    plot: Path = typer.Option(None, "--plot", help="also draw perplexity change and mean KL per format and mode to this PNG (needs matplotlib)"),
     device: str = typer.Option(None, help="cpu or cuda (default: cuda when available)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     show_config: bool = print_config_option(),
@@ -54,9 +55,11 @@ def quality(
     if mode not in (*MODES, "both"):
         raise ValueError(f"--mode must be chunked, decode or both, got {mode!r}")
     modes = MODES if mode == "both" else (mode,)
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib")
     if show_config:  # group_size null: the model's head_dim sets it when the cache is built
         return print_config(eval="quality", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(kv_specs),
-                            text=text, chunk=chunk, modes=list(modes), decode_tokens=decode_tokens, quanto=quanto, device=device)
+                            text=text, chunk=chunk, modes=list(modes), decode_tokens=decode_tokens, quanto=quanto, plot=plot, device=device)
     console = Console(stderr=True)
     with console.status("loading model..."):
         mdl, tok = load_model(model, device=device)
@@ -76,6 +79,8 @@ def quality(
                                on_progress=lambda done, total, task=task: bar.update(task, completed=done, total=total))
             bar.remove_task(task)
     base = {r.mode: r for r in results if r.name.startswith("exact")}
+    if plot is not None:
+        _plot_quality([r for r in results if not r.name.startswith("exact")], base, plot)
     if as_json:
         rows = [dict(format=r.name, mode=r.mode, ppl=r.ppl, delta_pct=r.delta_pct(base[r.mode]), kl_mean=r.kl_mean, kl_p99=r.kl_p99,
                      kl_max=r.kl_max, top1=r.top1, scored=r.scored, tokens=r.tokens, chunk=r.chunk, seconds=r.seconds,
@@ -212,6 +217,33 @@ def needle_cmd(
         show_table(f"Needle map, {g.name}: {100 * g.accuracy:.0f} % found", ["length"] + [f"depth {d:.1f}" for d in ds],
                    [[f"{n:,}"] + [("[green]found[/]" if r.found else f"[red]{r.answer[:12]!r}[/]") for r in row] for n, row in zip(ns, g.results)],
                    left=("length",))
+
+
+def _plot_quality(results, base: dict, path: Path) -> None:
+    """Bars per format, one a mode: perplexity change (left) and mean KL from the exact cache (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r.name for r in results))
+    modes = list(dict.fromkeys(r.mode for r in results))
+    width = 0.8 / len(modes)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for k, m in enumerate(modes):
+        rows = {r.name: r for r in results if r.mode == m}
+        xs = [i + (k - (len(modes) - 1) / 2) * width for i in range(len(names))]
+        left.bar(xs, [rows[n].delta_pct(base[m]) for n in names], width, label=f"{m} mode")
+        right.bar(xs, [rows[n].kl_mean for n in names], width, label=f"{m} mode")
+    for ax, label in ((left, "perplexity change (%)"), (right, "mean KL from the exact cache (nats)")):
+        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    right.set_yscale("log")
+    fig.suptitle(f"KV formats against the exact cache ({base[modes[0]].tokens:,} tokens)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _plot_needle(grids, path: Path) -> None:
