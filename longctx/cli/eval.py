@@ -24,6 +24,17 @@ def _formats(names: str):
     return [(name, kv_preset(name)) for name in [n.strip() for n in names.split(",") if n.strip()]]
 
 
+def _depths(text: str) -> tuple[float, ...]:
+    """"0.1,0.5" -> (0.1, 0.5): where a key is hidden, as fractions in [0, 1]."""
+    try:
+        ds = tuple(float(d) for d in text.split(","))
+    except ValueError:
+        raise ValueError(f"--depths must be comma-separated numbers, got {text!r}") from None
+    if not all(0.0 <= d <= 1.0 for d in ds):
+        raise ValueError(f"--depths must lie in [0, 1], got {text!r}")
+    return ds
+
+
 @app.command()
 def quality(
     model: str = typer.Option(None, "--model", help="hub id, local dir or .gguf file (default: embedded SmolLM2-135M-Instruct)"),
@@ -114,12 +125,7 @@ def passkey_cmd(
     from ..models import load_model
 
     specs = _formats(formats)
-    try:
-        ds = tuple(float(d) for d in depths.split(","))
-    except ValueError:
-        raise ValueError(f"--depths must be comma-separated numbers, got {depths!r}") from None
-    if not all(0.0 <= d <= 1.0 for d in ds):
-        raise ValueError(f"--depths must lie in [0, 1], got {depths!r}")
+    ds = _depths(depths)
     at_least(tokens, 1, "--tokens")
     if show_config:
         return print_config(eval="passkey", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(specs), tokens=tokens, depths=ds,
@@ -173,12 +179,7 @@ def needle_cmd(
 
     specs = _formats(formats)
     ns = parse_sizes(lengths)
-    try:
-        ds = tuple(float(d) for d in depths.split(","))
-    except ValueError:
-        raise ValueError(f"--depths must be comma-separated numbers, got {depths!r}") from None
-    if not all(0.0 <= d <= 1.0 for d in ds):
-        raise ValueError(f"--depths must lie in [0, 1], got {depths!r}")
+    ds = _depths(depths)
     for n in ns:
         at_least(n, 1, "--lengths")
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
