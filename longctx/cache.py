@@ -32,7 +32,7 @@ from .ops.paged_attention import paged_attention
 from .ops.paged_attention.reference import merge_partials
 from .ops.pages import Pages, PagedView
 from .ops.quantize_blocks import quantize_blocks_into
-from .quant import BlockFormat
+from .quant import BlockFormat, page_bytes
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # room a graph table (`graph_table`) leaves for later seals: max(GRAPH_ROOM[0], blocks //
@@ -104,10 +104,8 @@ class PagedKVCache:
         self.tables = BlockTables(self.sink_alloc, self.block_alloc, self.config.sink_blocks, self.host_alloc)
         self.host: HostTier | None = None  # the host tier's pools and staging (host_blocks > 0)
         if hb:
-            e = 4 if self.config.dtype == "float32" else 2  # ("auto": a 16-bit model's scales)
-            per_block = sum(sum(BlockFormat(*self.config.layer_bits(l), self.block_size, self.config.group_size, head_dim,
-                                            num_kv_heads, torch.float32 if e == 4 else torch.float16).block_bytes().values())
-                            for l in range(num_layers))
+            dtype = torch.float32 if self.config.dtype == "float32" else torch.float16  # ("auto": a 16-bit model's scales)
+            per_block, _ = page_bytes(self.config, num_layers, num_kv_heads, head_dim, dtype)
             check_host_budget(hb * per_block, f"KVConfig.host_blocks={hb}")
             self.host = HostTier(self, hb, self.config.stage_blocks)
         self.tail_len = [0] * num_layers  # tail_len[layer] -> tokens in that layer's tail

@@ -29,6 +29,7 @@ import torch
 
 from .ops.paged_attention import paged_attention
 from .ops.pages import Pages, PagedView
+from .quant import page_bytes
 
 RING = 2  # staging pools: one being filled while the kernel reads the other
 ALIGN = 4096  # bytes: each host pool starts on a page of the one pinned buffer
@@ -36,6 +37,12 @@ ALIGN = 4096  # bytes: each host pool starts on a page of the one pinned buffer
 # is long enough for the link and the kernel (hundreds of pages) and two stay small beside the
 # device pools
 STAGE_BYTES = 128 * 2**20
+
+
+def stage_blocks_for(per_layer: int, batch: int = 1) -> int:
+    """Pages a staging slice holds by default: STAGE_BYTES of the largest layer's pages, and at
+    least a page a row (a column of distinct pages must fit one slice)."""
+    return max(batch, STAGE_BYTES // per_layer, 1)
 
 
 def host_memory_available() -> int:
@@ -77,20 +84,14 @@ def offload_config(cfg, model, host_bytes: int, chunk: int):
     the device pool takes the GPU memory free now, less two staging slices and a reserve for
     one chunk's activations (a tenth of it, at least 1 GiB); `max_blocks` already set (e.g. by
     a context limit) is kept where smaller. Refuses a host budget the machine cannot pin."""
-    import torch
-
     from .integrations.transformers import decoder_shape
-    from .quant import BlockFormat
 
     if model.device.type != "cuda":
         raise ValueError(f"a host tier holds pages off a CUDA GPU's memory; this model runs on {model.device.type}")
     layers, kv_heads, head_dim = decoder_shape(model.config)
     cfg = cfg.resolve(layers, head_dim)
-    formats = [BlockFormat(*cfg.layer_bits(l), cfg.block_size, cfg.group_size, head_dim, kv_heads, torch.float16, cfg.rotate)
-               for l in range(layers)]
-    per_block = sum(sum(f.block_bytes().values()) for f in formats)
-    per_layer = max(sum(f.block_bytes().values()) for f in formats)
-    staging = RING * max(1, STAGE_BYTES // per_layer) * per_layer
+    per_block, per_layer = page_bytes(cfg, layers, kv_heads, head_dim, torch.float16)
+    staging = RING * stage_blocks_for(per_layer) * per_layer
     free = torch.cuda.mem_get_info(model.device)[0]
     device_blocks = (free - staging - max(2**30, free // 10)) // per_block
     if device_blocks < -(-chunk // cfg.block_size):
@@ -133,13 +134,7 @@ def plan_slices(rows: list[list[int]], lo: int, hi: int, stage_blocks: int) -> l
             c1 += 1
         order = sorted(ids)
         slot = {bid: i for i, bid in enumerate(order)}
-        runs: list[tuple[int, int, int]] = []
-        for i, bid in enumerate(order):
-            if runs and runs[-1][0] + runs[-1][1] == bid:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
-            else:
-                runs.append((bid, 1, i))
-        out.append((c0, c1, [[slot[row[j]] for j in range(c0, c1)] for row in rows], runs))
+        out.append((c0, c1, [[slot[row[j]] for j in range(c0, c1)] for row in rows], _runs(order)))
         c0 = c1
     return out
 
@@ -169,12 +164,7 @@ class HostTier:
     def stage_blocks(self) -> int:
         if self.stage_blocks_asked is not None:
             return self.stage_blocks_asked
-        per = max(sum(f.block_bytes().values()) for f in self.cache.formats)
-        return max(self.cache.batch_size, STAGE_BYTES // per, 1)
-
-    def block_bytes(self) -> int:
-        """Host bytes of one block id, all layers."""
-        return sum(sum(f.block_bytes().values()) for f in self.cache.formats)
+        return stage_blocks_for(max(sum(f.block_bytes().values()) for f in self.cache.formats), self.cache.batch_size)
 
     def reserved_bytes(self) -> tuple[int, int]:
         """(host bytes the pools hold, device bytes the staging pools hold)."""
@@ -183,9 +173,10 @@ class HostTier:
         return host, stage
 
     # ---------------------------------------------------------------- storage
-    def _ensure_pools(self) -> None:
+    def prepare(self) -> None:
         """The host pools at full size, all layers, in one buffer pinned (on CUDA) at its exact
-        size: all or nothing (a failed allocation or pinning leaves no pool behind)."""
+        size, allocated before the tables change: all or nothing (a failed allocation or
+        pinning leaves no pool behind)."""
         if self.pages:
             return
         cache = self.cache
@@ -194,15 +185,14 @@ class HostTier:
         for layer, fmt in enumerate(cache.formats):
             for name, shape, dtype in cache._pool_fields(fmt, self.host_blocks):
                 n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-                fields.append((layer, name, shape, dtype, total))
+                fields.append((layer, name, shape, dtype, total, n))
                 total += -(-n // ALIGN) * ALIGN
         try:
             buf = pinned_buffer(total, self._cuda)
         except (RuntimeError, MemoryError) as e:
             raise MemoryError(f"host tier: pinning {total / 2**30:,.2f} GiB failed ({e}); nothing was moved") from None
         pages = [Pages(fmt) for fmt in cache.formats]
-        for layer, name, shape, dtype, at in fields:
-            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        for layer, name, shape, dtype, at, n in fields:
             setattr(pages[layer], name, buf[at : at + n].view(dtype).view(shape))
         self._buffer = buf
         self.pages = pages
@@ -210,10 +200,6 @@ class HostTier:
             self._copy, self._spill = torch.cuda.Stream(cache.device), torch.cuda.Stream(cache.device)
             self._ready = [None] * RING
             self._free = [None] * RING
-
-    def prepare(self) -> None:
-        """Allocate the host pools (before tables change: a failure changes nothing)."""
-        self._ensure_pools()
 
     def store(self, moves: list[tuple[int, int]]) -> None:
         """Copy device slots -> host slots for `moves` [(device id, host id)], every layer."""

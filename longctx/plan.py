@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .config import KVConfig
 from .errors import LongCtxError, ModelNotFoundError
-from .quant import BlockFormat
+from .quant import page_bytes
 
 GIB = 1 << 30
 RUNTIME_OVERHEAD = 768 << 20  # CUDA context, cuBLAS/cuDNN workspaces, allocator bookkeeping
@@ -185,12 +185,7 @@ def kv_bytes(shape: ModelShape, cfg: KVConfig, tokens: int, rows: int = 1, elem_
 @functools.lru_cache(maxsize=64)
 def _sealed_block_bytes(shape: ModelShape, cfg: KVConfig, elem_bytes: int) -> int:
     """One sealed block id's bytes over all layers (plan's searches ask for it many times)."""
-    total = 0
-    for layer in range(shape.layers):
-        kb, vb = cfg.layer_bits(layer)
-        fmt = BlockFormat(kb, vb, cfg.block_size, cfg.group_size, shape.head_dim, shape.kv_heads, _dtype(elem_bytes), cfg.rotate)
-        total += sum(fmt.block_bytes().values())
-    return total
+    return page_bytes(cfg, shape.layers, shape.kv_heads, shape.head_dim, _dtype(elem_bytes))[0]
 
 
 def _dtype(elem_bytes: int):
@@ -338,13 +333,11 @@ def _offload(row: PlanRow, shape: ModelShape, cfg: KVConfig, budget: Budget, bat
     left, in whole blocks: `offload_max_blocks`). In pinned host memory: `host_blocks` blocks.
     A row holds its sinks, then its share of both pools' blocks, then up to a block of tail.
     The decode step reads every host page across the link: host bytes / (gbps * 10^9)."""
-    from .offload import RING, STAGE_BYTES
+    from .offload import RING, stage_blocks_for
 
     P = cfg.block_size
-    per_block = _sealed_block_bytes(shape, cfg.resolve(shape.layers, shape.head_dim), 2)  # one block id, all layers
-    per_layer = max(1, per_block // shape.layers)
-    stage_blocks = max(batch, STAGE_BYTES // per_layer, 1)
-    staging = RING * stage_blocks * per_layer
+    per_block, per_layer = page_bytes(cfg.resolve(shape.layers, shape.head_dim), shape.layers, shape.kv_heads, shape.head_dim, _dtype(2))
+    staging = RING * stage_blocks_for(per_layer, batch) * per_layer
     # a chunk's tokens wait in every layer's tail until the next step seals them, and the seal's
     # finiteness check reads them into booleans: 6 bytes a token, layer, KV head and channel
     tails = 6 * chunk * batch * shape.layers * shape.kv_heads * shape.head_dim

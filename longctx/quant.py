@@ -73,6 +73,14 @@ class BlockFormat:
 
 
 @functools.lru_cache(maxsize=16)
+def page_bytes(cfg, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(one block id's bytes over all `layers`, the largest layer's) in the formats of `cfg`, a
+    resolved KVConfig: what a sealed page costs in each tier, and per layer in a staging slice."""
+    sizes = [sum(BlockFormat(*cfg.layer_bits(l), cfg.block_size, cfg.group_size, head_dim, kv_heads, dtype, cfg.rotate).block_bytes().values())
+             for l in range(layers)]
+    return sum(sizes), max(sizes)
+
+
 def _hadamard_cpu(d: int) -> torch.Tensor:
     if d < 1 or d & (d - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two size, got {d}")
