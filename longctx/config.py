@@ -182,24 +182,38 @@ def kv_preset(name: str, **overrides) -> KVConfig:
     return KVConfig(**{**_presets()[name], **overrides})
 
 
+def plain_config(x):
+    """`x` as plain YAML-safe values: a config dataclass as a dict of its fields, paths as strings."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: plain_config(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, dict):
+        return {str(k): plain_config(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain_config(v) for v in x]
+    if isinstance(x, os.PathLike):
+        return os.fspath(x)
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return str(x)
+
+
 def config_yaml(**sections) -> str:
-    """The configuration a command runs with, as YAML (`longctx ... --print-config`): each
-    keyword is a section holding a config dataclass, a dict or list of them, or plain values.
-    A dataclass's section holds its fields, so `KVConfig(**yaml.safe_load(text)["kv"])` builds
-    the same config again (`tests/test_config.py`)."""
+    """Configuration as YAML, a section a keyword (`longctx ... --print-config`): each holds a
+    config dataclass, a dict or list of them, or plain values. A dataclass's section holds its
+    fields, so `KVConfig(**yaml.safe_load(text)["kv"])` builds the same config again
+    (`tests/test_config.py`). The sections stay in block style, one a line or more."""
     import yaml
 
-    def plain(x):
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
-        if isinstance(x, dict):
-            return {str(k): plain(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [plain(v) for v in x]
-        if isinstance(x, os.PathLike):
-            return os.fspath(x)
-        if x is None or isinstance(x, (bool, int, float, str)):
-            return x
-        return str(x)
+    def section(key: str, value) -> str:
+        if isinstance(value, (dict, list)) and value:
+            return yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=None, width=100)
+        return f"{key}: {flow_yaml(value)}\n"
 
-    return yaml.safe_dump(plain(sections), sort_keys=False, default_flow_style=None, width=100)
+    return "".join(section(key, plain_config(value)) for key, value in sections.items())
+
+
+def flow_yaml(value) -> str:
+    """`value` (plain values) as YAML on one line: `{bits: 4, rotate: false}`, `[1, 2]`, `null`."""
+    import yaml
+
+    return yaml.safe_dump(value, sort_keys=False, default_flow_style=True, width=10**9).removesuffix("\n").removesuffix("\n...").strip()

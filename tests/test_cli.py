@@ -130,8 +130,10 @@ def test_bench_decode_cases_parse_into_context_batch_pairs():
 
 
 def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeypatch):
-    """`--print-config`: the command's configuration as YAML, exit 0, before a model loads or a
-    GPU is asked for (this machine has none); the KV configs build the same configs again."""
+    """`--print-config`: the command's options as YAML keyed as `--config` reads them, the values
+    it resolved (defaults filled in, sizes in tokens), and what they resolve to as comments (the
+    KV formats' fields), exit 0, before a model loads or a GPU is asked for (this machine has
+    none)."""
     import yaml
 
     import longctx.models
@@ -141,35 +143,119 @@ def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeyp
         raise AssertionError("--print-config loaded a model")
 
     monkeypatch.setattr(longctx.models, "load_model", no_model)
-    cases = {
-        ("chat", "--kv-bits", "2", "--rotate", "--max-context", "1000", "--temperature", "0"): ["model", "kv", "sampling", "chat"],
-        ("eval", "quality", "--formats", "int4,int2+rot"): ["eval", "model", "formats", "text", "chunk", "modes", "decode_tokens", "quanto",
-                                                        "plot", "device"],
-        ("eval", "passkey", "--depths", "0.5"): ["eval", "model", "formats", "tokens", "depths", "device"],
-        ("bench", "decode", "--cases", "128k:1,32k:8", "--formats", "int8"): ["bench", "shape", "formats", "cases", "graph", "peers"],
-        ("bench", "prefill",): ["bench", "shape", "formats", "contexts", "chunks", "paths"],
-        ("bench", "seal", "--shape", "smollm2-135m"): ["bench", "shape", "formats", "context", "layers"],
-        ("bench", "e2e", "--layers", "2"): ["bench", "shape", "formats", "context", "new_tokens", "chunk", "graphs", "compiled"],
-        ("plan", "--gpu", "rtx-3090", "--kv-bits", "4"): ["model", "gpu", "weights_bits", "kv_bits", "batch", "block_size",
-                                                        "prefill_chunk", "host_gib", "pcie_gbps", "context"],
-    }
-    for args, sections in cases.items():
+
+    def printed(*args):
         r = runner.invoke(app, [*args, "--print-config"])
         assert r.exit_code == 0, (args, r.output)
-        data = yaml.safe_load(r.stdout)
-        assert list(data) == sections, (args, list(data))
-    chat = yaml.safe_load(runner.invoke(app, ["chat", "--kv-bits", "2", "--rotate", "--max-context", "1000", "--print-config"]).stdout)
-    assert KVConfig(**chat["kv"]) == KVConfig(bits=2, rotate=True, max_blocks=16) and chat["chat"]["max_context"] == 1000
-    decode = yaml.safe_load(runner.invoke(app, ["bench", "decode", "--cases", "128k:1,32k:8", "--formats", "int8", "--print-config"]).stdout)
-    assert decode["cases"] == [[131072, 1], [32768, 8]] and decode["shape"]["kv_heads"] == 8
-    assert KVConfig(**decode["formats"]["int8"]) == KVConfig(bits=8, group_size=128)  # resolved at the bench's head_dim
-    seal = yaml.safe_load(runner.invoke(app, ["bench", "seal", "--shape", "smollm2-135m", "--print-config"]).stdout)
-    assert seal["layers"] == 30 and seal["formats"]["int4"]["group_size"] == 64
-    quality = yaml.safe_load(runner.invoke(app, ["eval", "quality", "--formats", "int4,int2+rot", "--print-config"]).stdout)
-    assert KVConfig(**quality["formats"]["int2+rot"]) == KVConfig(bits=2, rotate=True, block_size=16)
-    assert yaml.safe_load(runner.invoke(app, ["plan", "--gpu", "rtx-3090", "--print-config"]).stdout)["gpu"]["name"] == "rtx-3090"
+        resolved = yaml.safe_load("\n".join(line[4:] for line in r.stdout.splitlines() if line.startswith("#   ")))
+        return yaml.safe_load(r.stdout), resolved
+
+    chat, kv = printed("chat", "--kv-bits", "2", "--rotate", "--max-context", "1000", "--temperature", "0")
+    assert list(chat) == ["model", "kv_bits", "k_bits", "v_bits", "rotate", "block_size", "load_in_4bit", "load_in_8bit", "device",
+                          "max_new_tokens", "temperature", "top_p", "seed", "system", "file", "prompt", "max_context", "chunk", "host_mem", "graphs"]
+    assert (chat["kv_bits"], chat["rotate"], chat["max_context"], chat["temperature"], chat["model"]) == (2, True, 1000, 0.0, None)
+    assert KVConfig(**kv["kv"]) == KVConfig(bits=2, rotate=True, max_blocks=16)
+    decode, resolved = printed("bench", "decode", "--cases", "128k:1,32k:8", "--formats", "int8")
+    assert decode["cases"] == "131072:1,32768:8" and decode["formats"] == ["int8"] and resolved["shape"]["kv_heads"] == 8
+    assert KVConfig(**resolved["formats"]["int8"]) == KVConfig(bits=8, group_size=128)  # resolved at the bench's head_dim
+    seal, resolved = printed("bench", "seal", "--shape", "smollm2-135m")
+    assert seal["layers"] == 30 and resolved["formats"]["int4"]["group_size"] == 64
+    quality, resolved = printed("eval", "quality", "--formats", "int4,int2+rot")
+    assert quality["formats"] == ["int4", "int2+rot"] and quality["mode"] == "both"
+    assert KVConfig(**resolved["formats"]["int2+rot"]) == KVConfig(bits=2, rotate=True, block_size=16)
+    passkey, _ = printed("eval", "passkey", "--depths", "0.5")
+    assert passkey["depths"] == [0.5] and passkey["tokens"] == 3600
+    plan, resolved = printed("plan", "--gpu", "rtx-3090", "--kv-bits", "4")
+    assert plan["gpu"] == "rtx-3090" and plan["kv_bits"] == [4] and resolved["gpu"]["memory_gib"] == 24.0
+    offload, _ = printed("bench", "offload", "--prefill", "384k", "--budget", "16GiB")
+    assert offload["prefill"] == 393216 and offload["budget"] == "16GiB"
     for args in (["chat", "--kv-bits", "3"], ["bench", "decode", "--cases", "4k:0"], ["eval", "quality", "--text", "missing.txt"]):
         one_line_error(runner.invoke(app, [*args, "--print-config"]), args)  # still checked
+
+
+# every command with --print-config, with options away from their defaults
+CONFIGURED = [["chat", "--kv-bits", "2", "--rotate", "--max-context", "4096", "--temperature", "0.7", "--system", "be brief\nplease: yes",
+               "--host-mem", "8GiB", "--no-graphs", "--load-in-4bit"],
+              ["plan", "--gpu-mem", "22.5GiB", "--weights-bits", "4", "--kv-bits", "8,4", "--host-mem", "64GiB", "--context", "1024k", "--json"],
+              ["eval", "quality", "--formats", "int4,k8v4", "--mode", "decode", "--decode-tokens", "64", "--chunk", "32", "--device", "cpu"],
+              ["eval", "passkey", "--formats", "int2+rot", "--tokens", "1200", "--depths", "0.25,0.75"],
+              ["eval", "needle", "--lengths", "1k,3k", "--depths", "0.5", "--plot", "needle.png"],
+              ["bench", "decode", "--contexts", "4k,32k", "--batch", "1,8", "--formats", "int4,int2+rot", "--graph", "--no-peers"],
+              ["bench", "prefill", "--contexts", "8k", "--chunks", "1k", "--paths", "kernel", "--shape", "smollm2-135m"],
+              ["bench", "seal", "--context", "32k", "--layers", "1", "--block-size", "128"],
+              ["bench", "e2e", "--context", "16k", "--layers", "4", "--no-compiled", "--json", "e2e.json"],
+              ["bench", "plan", "--format", "int2+rot", "--weights-bits", "4", "--budget-gib", "16", "--max-tokens", "65536"],
+              ["bench", "offload", "--contexts", "1024k", "--formats", "int4", "--no-full-gpu", "--steps", "4", "--prefill", "384k"]]
+
+
+@pytest.mark.parametrize("args", CONFIGURED, ids=lambda a: "-".join(a[:2]))
+def test_print_config_reads_back_through_config(args, tmp_path):
+    """`longctx X ... --print-config > f.yaml && longctx X --config f.yaml --print-config` prints
+    the same YAML, so the file carried every option away from its default; an option given on
+    the command line wins over the file."""
+    import yaml
+
+    command = args[:2] if args[0] in ("eval", "bench") else args[:1]
+    first = runner.invoke(app, [*args, "--print-config"])
+    assert first.exit_code == 0, (args, first.output)
+    f = tmp_path / "f.yaml"
+    f.write_text(first.stdout)
+    again = runner.invoke(app, [*command, "--config", str(f), "--print-config"])
+    assert again.exit_code == 0, (args, again.output)
+    assert again.stdout == first.stdout
+    assert again.stdout != runner.invoke(app, [*command, "--print-config"]).stdout  # (the file's values took effect)
+    key, value, want = {"chat": ("--seed", "7", 7), "plan": ("--batch", "2", 2), "eval": ("--device", "cuda", "cuda"),
+                        "bench": ("--json", "x.json", "x.json")}[command[0]]
+    over = runner.invoke(app, [*command, "--config", str(f), key, value, "--print-config"])
+    assert over.exit_code == 0, over.output
+    data = yaml.safe_load(over.stdout)
+    assert data[key[2:]] == want and {k: v for k, v in data.items() if k != key[2:]} == \
+        {k: v for k, v in yaml.safe_load(first.stdout).items() if k != key[2:]}
+
+
+def test_every_preset_in_configs_loads():
+    """Each file in configs/ names its command on its first line (`# longctx X: ...`, as
+    `--print-config` writes it) and loads there: the command prints its config with every key of
+    the file taking effect, and that print reads back the same."""
+    from pathlib import Path
+
+    import yaml
+
+    presets = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    assert len(presets) >= 6, presets
+    commands = set()
+    for path in presets:
+        head = path.read_text().splitlines()[0]
+        assert head.startswith("# longctx ") and ":" in head, (path, head)
+        command = head[len("# longctx "):head.index(":")].split()
+        commands.add(command[0])
+        r = runner.invoke(app, [*command, "--config", str(path), "--print-config"])
+        assert r.exit_code == 0, (path, r.output)
+        preset, printed = yaml.safe_load(path.read_text()), yaml.safe_load(r.stdout)
+        for key, value in preset.items():
+            assert key in printed and (printed[key] == value or isinstance(value, str)), (path, key, value, printed.get(key))
+        again = runner.invoke(app, [*command, "--config", str(path), "--print-config"])
+        assert again.stdout == r.stdout
+    assert commands == {"chat", "plan", "eval", "bench"}, commands
+
+
+def test_bad_config_files_are_one_line_errors_naming_the_key_and_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    for text, words in [("kv_bits: 4\nkv_bitz: 2\n", ["'kv_bitz'", "longctx chat", str(f)]),
+                        ("kv_bits: four\n", ["kv_bits must be an integer", "'four'", str(f)]),
+                        ("rotate: 1\n", ["rotate must be true or false", str(f)]),
+                        ("temperature: hot\n", ["temperature must be a number", str(f)]),
+                        ("system: {a: 1}\n", ["system must be a string", str(f)]),
+                        ("kv_bits: [4\n", ["not valid YAML", "line 2", str(f)]),
+                        ("- kv_bits\n", ["must hold a mapping", str(f)]),
+                        ("\n", ["is empty", str(f)])]:
+        f.write_text(text)
+        line = one_line_error(runner.invoke(app, ["chat", "--config", str(f), "--print-config"]), text)
+        assert all(w in line for w in words), (text, line)
+    f.write_text("formats: int4\nlengths: [1k, 2k]\ndepth: 0.5\n")
+    line = one_line_error(runner.invoke(app, ["eval", "needle", "--config", str(f)]), "depth")
+    assert "'depth'" in line and "depths" in line
+    one_line_error(runner.invoke(app, ["plan", "--config", str(tmp_path / "none.yaml")]), "no such file")
 
 
 def test_main_entry_point_exits_2_on_known_errors():

@@ -15,6 +15,7 @@ from .bench import app as bench_app
 from .chat import chat
 from .eval import app as eval_app
 from .info import info
+from .options import configurable
 from .plan import plan
 
 app = typer.Typer(
@@ -94,10 +95,11 @@ def _reflowed(doc: str | None) -> str | None:
     return "\n\n".join(p if p.startswith("Example") else " ".join(p.split()) for p in paragraphs)
 
 
-for _typer in (app, eval_app, bench_app):
+for _group, _typer in (("", app), ("eval ", eval_app), ("bench ", bench_app)):
     for _cmd in _typer.registered_commands:
         _cmd.help = _cmd.help or _reflowed(inspect.getdoc(_cmd.callback))
-        _cmd.callback = _one_line_errors(_cmd.callback)
+        _name = _group + (_cmd.name or _cmd.callback.__name__.replace("_", "-"))
+        _cmd.callback = _one_line_errors(configurable(_cmd.callback, _name))
 
 
 def main(argv: list[str] | None = None) -> None:

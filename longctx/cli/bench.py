@@ -32,15 +32,16 @@ def parse_sizes(text: str) -> list[int]:
     return out
 
 
-def _print_bench_config(bench: str, formats: str, block_size: int = 64, shape: str = "llama-3-8b", shape_layers: int | None = None,
-                        **rest) -> None:
-    """`--print-config` of a bench: its shape (with `shape_layers` where the bench sets its own), the
-    formats' configs as that shape resolves them (group_size filled in), then `rest`."""
+def _print_bench_config(formats: str, block_size: int = 64, shape: str = "llama-3-8b", shape_layers: int | None = None, **resolved) -> None:
+    """`--print-config` of a bench: its options (`resolved` as the bench resolved them), then, as
+    comments, its shape (with `shape_layers` where the bench sets its own) and the formats'
+    configs as that shape resolves them (group_size filled in)."""
     from ..bench import bench_configs
 
     cfgs, dims = bench_configs(_names(formats), block_size, shape)
-    print_config(bench=bench, shape={"name": shape, **dims, **({} if shape_layers is None else {"layers": shape_layers})},
-                 formats={name: cfg.resolve(dims["layers"], dims["head_dim"]) for name, cfg in cfgs.items()}, **rest)
+    print_config(details=dict(shape={"name": shape, **dims, **({} if shape_layers is None else {"layers": shape_layers})},
+                              formats={name: cfg.resolve(dims["layers"], dims["head_dim"]) for name, cfg in cfgs.items()}),
+                 formats=list(cfgs), **resolved)
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -81,7 +82,7 @@ def decode(
     if plot is not None:
         _need_matplotlib()
     if show_config:
-        return _print_bench_config("decode", formats, block_size, shape, cases=pairs, graph=graph, peers=not no_peers)
+        return _print_bench_config(formats, block_size, shape, contexts=None, batch=None, cases=",".join(f"{c}:{b}" for c, b in pairs))
 
     console = Console()
 
@@ -162,7 +163,7 @@ def prefill(
     from ..bench import bench_prefill
 
     if show_config:
-        return _print_bench_config("prefill", formats, block_size, shape, contexts=parse_sizes(contexts), chunks=parse_sizes(chunks), paths=_names(paths))
+        return _print_bench_config(formats, block_size, shape, contexts=parse_sizes(contexts), chunks=parse_sizes(chunks), paths=_names(paths))
     rows = bench_prefill(parse_sizes(contexts), parse_sizes(chunks), _names(formats), shape, block_size, paths=_names(paths))
     show_table(f"Prefill chunk per layer ({shape}), median", ("kernel", "context", "chunk", "ms", "tokens/s", "vs SDPA bf16"),
                [(r.name, f"{r.context:,}", f"{r.chunk:,}", f"{r.ms:.3f}", f"{r.tok_per_s:,.0f}", f"{r.ratio_to_sdpa:.2f}x") for r in rows],
@@ -193,7 +194,7 @@ def seal(
     from ..bench import SHAPES, bench_seal
 
     if show_config:
-        return _print_bench_config("seal", formats, block_size, shape, context=parse_sizes(context)[0],
+        return _print_bench_config(formats, block_size, shape, context=parse_sizes(context)[0],
                                    layers=SHAPES[shape]["layers"] if layers is None and shape in SHAPES else layers)
     rows = bench_seal(parse_sizes(context)[0], _names(formats), shape, block_size=block_size, layers=layers)
     L = rows[0].layers if rows else layers
@@ -232,8 +233,7 @@ def e2e(
     from ..bench import bench_e2e
 
     if show_config:
-        return _print_bench_config("e2e", formats, shape_layers=layers, context=parse_sizes(context)[0], new_tokens=new_tokens, chunk=chunk, graphs=graphs,
-                                   compiled=compiled)
+        return _print_bench_config(formats, shape_layers=layers, context=parse_sizes(context)[0])
     console = Console()
 
     def show(r):
@@ -274,8 +274,7 @@ def plan_check(
 
     check_plan_options(kv_format, weights_bits, budget_gib, chunk, decode, max_tokens)
     if show_config:
-        return print_config(bench="plan", model=model, format=kv_format, weights_bits=weights_bits, budget_gib=budget_gib, chunk=chunk,
-                            decode=decode, max_tokens=max_tokens)
+        return print_config()
     from rich.progress import Progress
 
     with Progress(console=Console(stderr=True), transient=True) as bar:
@@ -323,8 +322,7 @@ def offload(
     at_least(chunk, 1, "--chunk")
     prefill_tokens = parse_sizes(prefill)[0] if prefill is not None else None
     if show_config:
-        return print_config(bench="offload", model=model, contexts=ctx, formats=fmts, weights_bits=weights_bits, budget_gib=budget_gib,
-                            peer_contexts=peers, steps=steps, full_gpu=full_gpu, prefill=prefill_tokens, chunk=chunk)
+        return print_config(details={"budget_gib": budget_gib}, contexts=ctx, formats=fmts, peer_contexts=peers, prefill=prefill_tokens)
     console = Console()
     weights = "NF4" if weights_bits == 4 else "bf16"
     if prefill_tokens is not None:

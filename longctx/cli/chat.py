@@ -40,10 +40,10 @@ def chat(
     kv_bits: int = typer.Option(4, "--kv-bits", help="16, 8, 4 or 2"),
     k_bits: int = typer.Option(None, "--k-bits", help="override the bits of keys"),
     v_bits: int = typer.Option(None, "--v-bits", help="override the bits of values"),
-    rotate: bool = typer.Option(False, "--rotate", help="Hadamard rotation (recommended at 2 bits)"),
+    rotate: bool = typer.Option(False, "--rotate/--no-rotate", help="Hadamard rotation (recommended at 2 bits)"),
     block_size: int = typer.Option(64, "--block-size", help="tokens per page"),
-    load_in_4bit: bool = typer.Option(False, "--load-in-4bit", help="bitsandbytes 4-bit weights (CUDA)"),
-    load_in_8bit: bool = typer.Option(False, "--load-in-8bit", help="bitsandbytes 8-bit weights (CUDA)"),
+    load_in_4bit: bool = typer.Option(False, "--load-in-4bit/--no-load-in-4bit", help="bitsandbytes 4-bit weights (CUDA)"),
+    load_in_8bit: bool = typer.Option(False, "--load-in-8bit/--no-load-in-8bit", help="bitsandbytes 8-bit weights (CUDA)"),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
     max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="most tokens an answer takes (default: the model's generation config, else 256)"),
     temperature: float = typer.Option(None, "--temperature", help="0 for greedy (default: the model's generation config, else greedy)"),
@@ -87,21 +87,21 @@ def chat(
         raise ValueError(f"--max-context must be a positive number of tokens, got {max_context}")
     host_bytes = 0
     if host_mem is not None:
-        from ..offload import check_host_budget
         from ..plan import parse_size_gib
 
         host_bytes = int(parse_size_gib(host_mem) * 2**30)
         if device == "cpu":
             raise ValueError("--host-mem holds pages off a CUDA GPU's memory; drop it with --device cpu")
-        check_host_budget(host_bytes, "--host-mem")
     # --max-context also sizes the page pools once (no doubling and copying as the chat grows)
     max_blocks = -(-max_context // block_size) if max_context else None
     kv = KVConfig(bits=kv_bits, k_bits=k_bits, v_bits=v_bits, rotate=rotate, block_size=block_size, max_blocks=max_blocks)
     given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     if show_config:  # group_size null: the model's head_dim sets it when the cache is built; sampling null: the model's
-        return print_config(model=model or "embedded SmolLM2-135M-Instruct", kv=kv, sampling=given,
-                            chat=dict(device=device, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, seed=seed, system=system, file=file,
-                                      max_context=max_context, chunk=chunk, graphs=graphs, host_mem=host_mem))
+        return print_config(details={"kv": kv})
+    if host_bytes:  # (this machine's memory: a printed config may be meant for another)
+        from ..offload import check_host_budget
+
+        check_host_budget(host_bytes, "--host-mem")
     err = Console(stderr=True)
     out = Console(highlight=False)
     with err.status("loading model..."):

@@ -44,7 +44,7 @@ def quality(
     mode: str = typer.Option("both", help="chunked (the text in chunks, every token scored), decode (its last --decode-tokens "
                              "fed one a step) or both"),
     decode_tokens: int = typer.Option(256, "--decode-tokens", help="tokens scored one a step in decode mode"),
-    quanto: bool = typer.Option(False, "--quanto", help="also measure Hugging Face's QuantizedCache (quanto int4; needs optimum-quanto)"),
+    quanto: bool = typer.Option(False, "--quanto/--no-quanto", help="also measure Hugging Face's QuantizedCache (quanto int4; needs optimum-quanto)"),
     plot: Path = typer.Option(None, "--plot", help="also draw perplexity change and mean KL per format and mode to this PNG (needs matplotlib)"),
     device: str = typer.Option(None, help="cpu or cuda (default: cuda when available)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
@@ -69,8 +69,7 @@ def quality(
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install matplotlib")
     if show_config:  # group_size null: the model's head_dim sets it when the cache is built
-        return print_config(eval="quality", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(kv_specs),
-                            text=text, chunk=chunk, modes=list(modes), decode_tokens=decode_tokens, quanto=quanto, plot=plot, device=device)
+        return print_config(details={"formats": dict(kv_specs)}, formats=[name for name, _ in kv_specs])
     console = Console(stderr=True)
     with console.status("loading model..."):
         mdl, tok = load_model(model, device=device)
@@ -128,8 +127,7 @@ def passkey_cmd(
     ds = _depths(depths)
     at_least(tokens, 1, "--tokens")
     if show_config:
-        return print_config(eval="passkey", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(specs), tokens=tokens, depths=ds,
-                            device=device)
+        return print_config(details={"formats": dict(specs)}, formats=[name for name, _ in specs], depths=list(ds))
     console = Console(stderr=True)
     with console.status("loading model..."):
         mdl, tok = load_model(model, device=device)
@@ -185,8 +183,7 @@ def needle_cmd(
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install matplotlib")
     if show_config:
-        return print_config(eval="needle", model=model or "embedded SmolLM2-135M-Instruct", formats=dict(specs), lengths=ns, depths=ds,
-                            plot=plot, device=device)
+        return print_config(details={"formats": dict(specs)}, formats=[name for name, _ in specs], lengths=ns, depths=list(ds))
     console = Console(stderr=True)
     with console.status("loading model..."):
         mdl, tok = load_model(model, device=device)

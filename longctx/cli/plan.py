@@ -69,8 +69,8 @@ def plan(
     shape = model_shape(model)
     label, gib = gpu_memory(gpu if gpu or gpu_mem else "rtx-4090", gpu_mem)
     if show_config:
-        return print_config(model=shape, gpu={"name": label, "memory_gib": gib}, weights_bits=weights_bits, kv_bits=bits, batch=batch,
-                            block_size=block_size, prefill_chunk=prefill_chunk, host_gib=host_gib, pcie_gbps=pcie_gbps, context=at)
+        return print_config(details=dict(model=shape, gpu={"name": label, "memory_gib": gib}, host_gib=host_gib), gpu=gpu or (None if gpu_mem else label),
+                            kv_bits=bits, context=at)
     p = make_plan(shape, label, gib, weights_bits=weights_bits, kv_bits=bits, batch=batch, block_size=block_size,
                   prefill_chunk=prefill_chunk, host_gib=host_gib, pcie=pcie_gbps)
     if as_json:
