@@ -99,7 +99,9 @@ def decode(
                  *((r.note,) if notes else ())) for r in rows], left=("kernel", "note"), console=console)
     _write_json(as_json, rows)
     if plot is not None:
-        _plot_decode([r for r in rows if r.ms == r.ms], plot, f"Decode attention per layer ({shape}){', CUDA graphs' if graph else ''}")
+        from ..plots import decode_figure
+
+        decode_figure(rows, f"Decode attention per layer ({shape}){', CUDA graphs' if graph else ''}").savefig(plot, dpi=120)
 
 
 def _fig(x: float, fmt: str, unit: str = "") -> str:
@@ -124,25 +126,6 @@ def _need_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
-
-
-def _plot_decode(rows, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for batch in sorted({r.batch for r in rows}):
-        for name in dict.fromkeys(r.name for r in rows):
-            pts = sorted((r.context, r.ms) for r in rows if r.name == name and r.batch == batch)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{name} (B{batch})")
-    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per layer", title=title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 @app.command()

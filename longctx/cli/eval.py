@@ -90,7 +90,9 @@ def quality(
             bar.remove_task(task)
     base = {r.mode: r for r in results if r.name.startswith("exact")}
     if plot is not None:
-        _plot_quality([r for r in results if not r.name.startswith("exact")], base, plot)
+        from ..plots import quality_figure
+
+        quality_figure(results).savefig(plot, dpi=120)
     if as_json:
         rows = [dict(format=r.name, mode=r.mode, ppl=r.ppl, delta_pct=r.delta_pct(base[r.mode]), kl_mean=r.kl_mean, kl_p99=r.kl_p99,
                      kl_max=r.kl_max, top1=r.top1, scored=r.scored, tokens=r.tokens, chunk=r.chunk, seconds=r.seconds,
@@ -204,7 +206,9 @@ def needle_cmd(
             grid.name = name
             grids.append(grid)
     if plot is not None:
-        _plot_needle(grids, plot)
+        from ..plots import needle_figure
+
+        needle_figure(grids).savefig(plot, dpi=120)
     if as_json:
         typer.echo(json.dumps([dict(format=g.name, accuracy=g.accuracy, lengths=g.lengths, depths=g.depths,
                                     found=[[r.found for r in row] for row in g.results],
@@ -215,50 +219,3 @@ def needle_cmd(
         show_table(f"Needle map, {g.name}: {100 * g.accuracy:.0f} % found", ["length"] + [f"depth {d:.1f}" for d in ds],
                    [[f"{n:,}"] + [("[green]found[/]" if r.found else f"[red]{r.answer[:12]!r}[/]") for r in row] for n, row in zip(ns, g.results)],
                    left=("length",))
-
-
-def _plot_quality(results, base: dict, path: Path) -> None:
-    """Bars per format, one a mode: perplexity change (left) and mean KL from the exact cache (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r.name for r in results))
-    modes = list(dict.fromkeys(r.mode for r in results))
-    width = 0.8 / len(modes)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for k, m in enumerate(modes):
-        rows = {r.name: r for r in results if r.mode == m}
-        xs = [i + (k - (len(modes) - 1) / 2) * width for i in range(len(names))]
-        left.bar(xs, [rows[n].delta_pct(base[m]) for n in names], width, label=f"{m} mode")
-        right.bar(xs, [rows[n].kl_mean for n in names], width, label=f"{m} mode")
-    for ax, label in ((left, "perplexity change (%)"), (right, "mean KL from the exact cache (nats)")):
-        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
-        ax.set_ylabel(label)
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
-    right.set_yscale("log")
-    fig.suptitle(f"KV formats against the exact cache ({base[modes[0]].tokens:,} tokens)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def _plot_needle(grids, path: Path) -> None:
-    """One heatmap a cache: depth (rows) by prompt length (columns), green where the key was found."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-
-    fig, axes = plt.subplots(1, len(grids), figsize=(3.2 * len(grids) + 0.6, 3.4), squeeze=False)
-    for ax, g in zip(axes[0], grids):
-        cells = [[float(g.results[i][j].found) for i in range(len(g.lengths))] for j in range(len(g.depths))]
-        ax.imshow(cells, cmap=ListedColormap(["#d62728", "#2ca02c"]), vmin=0, vmax=1, aspect="auto")
-        ax.set_xticks(range(len(g.lengths)), [f"{n:,}" for n in g.lengths], rotation=45, fontsize=7)
-        ax.set_yticks(range(len(g.depths)), [f"{d:.2f}" for d in g.depths], fontsize=7)
-        ax.set(xlabel="prompt tokens", ylabel="depth", title=f"{g.name}\n{100 * g.accuracy:.0f} % found")
-        ax.title.set_fontsize(8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
