@@ -620,6 +620,13 @@ def test_eval_quality_refuses_a_text_it_could_not_measure_on(tmp_path, reuse_mod
                                                               ("exact (DynamicCache)", "decode"), ("int4", "decode")]
     assert rows[1]["tokens"] > 32 and rows[1]["delta_pct"] != 0.0 and rows[1]["kl_mean"] > 0  # the pages were read back
     assert rows[0]["kl_max"] == 0 and rows[0]["top1"] == 1 and rows[3]["scored"] == 16 and 0 < rows[3]["top1"] <= 1
+    md = runner.invoke(app, [*args, "--decode-tokens", "16", "--markdown"])  # README's table: the same figures
+    assert md.exit_code == 0, md.output
+    lines = [line for line in md.stdout.splitlines() if line.startswith("| int4 |")]
+    assert [line.split(" | ")[1] for line in lines] == ["chunked", "decode"]
+    for line, row in zip(lines, (rows[1], rows[3])):
+        assert f"| {row['ppl']:.3f} | {row['delta_pct']:+.2f} % | {row['kl_mean']:.4f} |" in line, (line, row)
+    assert "give --json or --markdown" in one_line_error(runner.invoke(app, [*args, "--json", "--markdown"]), args)
 
 
 def test_eval_needle_grid_is_passkey_at_each_length_and_plots(tmp_path, reuse_model):

@@ -48,6 +48,7 @@ def quality(
     plot: Path = typer.Option(None, "--plot", help="also draw perplexity change and mean KL per format and mode to this PNG (needs matplotlib)"),
     device: str = typer.Option(None, help="cpu or cuda (default: cuda when available)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    markdown: bool = typer.Option(False, "--markdown", help="print the table as GitHub Markdown (README's quality table)"),
     show_config: bool = print_config_option(),
 ) -> None:
     """Perplexity change, KL divergence from the exact cache (DynamicCache, run once beside the
@@ -65,6 +66,8 @@ def quality(
     at_least(decode_tokens, 1, "--decode-tokens")
     if mode not in (*MODES, "both"):
         raise ValueError(f"--mode must be chunked, decode or both, got {mode!r}")
+    if as_json and markdown:
+        raise ValueError("give --json or --markdown, not both")
     modes = MODES if mode == "both" else (mode,)
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install matplotlib")
@@ -101,6 +104,15 @@ def quality(
         return
     r0 = results[0]
     how = " and ".join(f"{m} ({base[m].scored:,} tokens scored)" for m in modes)
+    if markdown:
+        typer.echo(f"{r0.tokens:,} tokens, chunks of {chunk}: {how}.\n")
+        typer.echo("| format | mode | perplexity | change | KL mean | KL p99 | top-1 agreement | bytes/token vs bf16 |\n|---|---|---:|---:|---:|---:|---:|---:|")
+        for r in results:
+            exact = r.name.startswith("exact")
+            typer.echo(f"| {r.name} | {r.mode} | {r.ppl:.3f} | {'' if exact else f'{r.delta_pct(base[r.mode]):+.2f} %'} | "
+                       f"{'' if exact else f'{r.kl_mean:.4f}'} | {'' if exact else f'{r.kl_p99:.3f}'} | {'' if exact else f'{100 * r.top1:.1f} %'} | "
+                       f"{f'{r.ratio_to_bf16:.3f}' if r.ratio_to_bf16 is not None else ''} |")
+        return
     show_table(f"Quality against the exact cache, {r0.tokens:,} tokens, chunks of {chunk}: {how}",
                ("format", "mode", "perplexity", "change", "KL mean", "KL p99", "KL max", "top-1 agree", "bytes/token vs bf16", "seconds"),
                [(r.name, r.mode, f"{r.ppl:.4f}", f"{r.delta_pct(base[r.mode]):+.3f} %", f"{r.kl_mean:.5f}", f"{r.kl_p99:.4f}", f"{r.kl_max:.4f}",
