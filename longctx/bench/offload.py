@@ -348,6 +348,7 @@ def bench_offload_prefill(model: str = "llama-3.1-8b", context: int = 393216, fm
         row = PrefillRow(name, context, seconds, torch.cuda.max_memory_allocated() / GIB, cap if cap is not None else float("nan"),
                          host / GIB, note=note)
         tokens.append(out)
+        cache = logits = tok = None  # (the uncapped run's pages go before the capped run starts)
         if rows:
             row.ratio = row.prefill_s / rows[0].prefill_s
             row.same_tokens = 0  # (the leading greedy tokens both runs chose alike)
