@@ -113,6 +113,31 @@ class ChatSession:
         self.cached_ids = []
         self.last = GenerationStats()  # (/stats shows no figures of a turn that is gone)
 
+    def save_kv(self, path) -> int:
+        """Save the cache, the tokens it holds and the conversation to `path` (a LongCtxCache's
+        file, `longctx.persist`); returns its bytes. `load_kv` continues from it."""
+        if not hasattr(self.cache, "save"):
+            raise ValueError(f"this chat's cache ({type(self.cache).__name__}) cannot be saved; a LongCtxCache can")
+        if not self.cached_ids:
+            raise ValueError("nothing to save yet: the cache is empty")
+        return self.cache.save(path, [self.cached_ids], extra={"messages": self.messages})
+
+    @classmethod
+    def load_kv(cls, model, tokenizer, path, config=None, **kw) -> ChatSession:
+        """A session continuing the conversation saved at `path`: its messages, and its cache
+        loaded (`LongCtxCache.load`, `config` for its capacity), so that only new turns are
+        prefilled. A file from another model or damaged raises CacheFileError."""
+        from .integrations.transformers import LongCtxCache
+        from .persist import CacheFileError, read_info
+
+        info = read_info(path)
+        messages = info.extra.get("messages")
+        if info.rows != 1 or not isinstance(messages, list):
+            raise CacheFileError(f"{path} holds a cache but no chat ({info.rows} row(s), no messages): save one with longctx chat --save-kv")
+        cache, ids = LongCtxCache.load(model, path, config)
+        session = cls(model, tokenizer, cache, messages=list(messages), cached_ids=ids[0].tolist(), **kw)
+        return session
+
     def _render(self, generation_prompt: bool = True) -> list[int]:
         ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=generation_prompt, tokenize=True)
         if hasattr(ids, "keys"):  # a BatchEncoding on some transformers releases

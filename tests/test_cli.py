@@ -152,7 +152,8 @@ def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeyp
 
     chat, kv = printed("chat", "--kv-bits", "2", "--rotate", "--max-context", "1000", "--temperature", "0")
     assert list(chat) == ["model", "kv_bits", "k_bits", "v_bits", "rotate", "block_size", "load_in_4bit", "load_in_8bit", "device",
-                          "max_new_tokens", "temperature", "top_p", "seed", "system", "file", "prompt", "max_context", "chunk", "host_mem", "graphs"]
+                          "max_new_tokens", "temperature", "top_p", "seed", "system", "file", "prompt", "max_context", "chunk", "host_mem", "graphs",
+                          "save_kv", "load_kv"]
     assert (chat["kv_bits"], chat["rotate"], chat["max_context"], chat["temperature"], chat["model"]) == (2, True, 1000, 0.0, None)
     assert KVConfig(**kv["kv"]) == KVConfig(bits=2, rotate=True, max_blocks=16)
     decode, resolved = printed("bench", "decode", "--cases", "128k:1,32k:8", "--formats", "int8")
@@ -460,6 +461,36 @@ def test_chat_interactive_through_stdin(tmp_path, reuse_model):
     assert "16 tokens" in tables[1]  # the first turn decoded 16 tokens
     assert "0 tokens, 0.0 tok/s" in tables[2] and "16 tokens" not in tables[2]  # after /reset: no figures of the forgotten turn
     assert "bytes on cpu" in tables[1] and "gpu" not in tables[1]  # (tiers by device)
+
+
+def test_chat_saves_a_read_document_and_continues_from_it(tmp_path, reuse_model):
+    """--file book --save-kv f, then --load-kv f: the same greedy answer without reading the
+    document again (only the question is prefilled); /save-kv mid-chat keeps the turns too;
+    `info f` says what a file holds; a damaged file is refused before the model loads."""
+    import json as json_
+
+    doc, kvc = tmp_path / "doc.txt", tmp_path / "doc.kvc"
+    doc.write_text(" ".join(["The lighthouse keeper lit the lamp at dusk and wrote the ships in his log."] * 12), encoding="utf-8")
+    ask = ["--prompt", "Who lit the lamp?", "--temperature", "0", "--max-new-tokens", "12"]
+    first = runner.invoke(app, ["chat", "--file", str(doc), "--save-kv", str(kvc), *ask])
+    assert first.exit_code == 0, first.output
+    assert "saved" in first.stderr and kvc.exists()
+    again = runner.invoke(app, ["chat", "--load-kv", str(kvc), *ask])
+    assert again.exit_code == 0, again.output
+    assert again.stdout == first.stdout and "loaded in" in again.stderr
+    info = json_.loads(runner.invoke(app, ["info", str(kvc), "--json"]).stdout)
+    assert info["KV format"] == "int4" and info["conversation"] == "system" and info["tokens"] > 100
+    turns = tmp_path / "turns.kvc"
+    r = runner.invoke(app, ["chat", "--load-kv", str(kvc), "--temperature", "0", "--max-new-tokens", "6"],
+                      input=f"Who lit the lamp?\n/save-kv {turns}\n/save-kv {tmp_path}\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert "and the conversation to" in r.stdout and "could not save to" in r.stdout
+    assert json_.loads(runner.invoke(app, ["info", str(turns), "--json"]).stdout)["conversation"] == "system, user, assistant"
+    bad = tmp_path / "bad.kvc"
+    bad.write_bytes(kvc.read_bytes()[:-100])
+    for args in (["chat", "--load-kv", str(bad)], ["chat", "--load-kv", str(kvc), "--file", str(doc)], ["info", str(bad)],
+                 ["chat", "--save-kv", str(tmp_path), "--prompt", "hi"]):
+        one_line_error(runner.invoke(app, args), args)
 
 
 def test_chat_save_to_a_bad_path_says_so_and_the_chat_goes_on(tmp_path, reuse_model):

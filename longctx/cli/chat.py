@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from rich.table import Table
 from .options import at_least, print_config, print_config_option, read_text_file
 
 HELP = ("Commands: /stats (cache and speed), /reset (forget the conversation), /save\u00a0FILE (transcript as Markdown), "
-        "/help, /exit. Ctrl-C stops the current answer.")
+        "/save-kv\u00a0FILE (the cache and conversation, for --load-kv), /help, /exit. Ctrl-C stops the current answer.")
 
 
 def _stats_table(session) -> Table:
@@ -56,6 +57,8 @@ def chat(
     chunk: int = typer.Option(512, "--chunk", help="prefill chunk in tokens"),
     host_mem: str = typer.Option(None, "--host-mem", help="a host tier of this much pinned host memory (64GiB, 64GB): the oldest pages spill there when the GPU is full (CUDA)"),
     graphs: bool = typer.Option(None, "--graphs/--no-graphs", help="decode from CUDA graphs (default: where they serve: CUDA, triton backend)"),
+    save_kv: Path = typer.Option(None, "--save-kv", help="after the document is read, save the cache and conversation to this file (.kvc)"),
+    load_kv: Path = typer.Option(None, "--load-kv", help="continue a conversation saved with --save-kv or /save-kv: its document is not read again"),
     show_config: bool = print_config_option(),
 ) -> None:
     """Chat with a model; the KV cache is kept across turns (only new tokens are prefilled).
@@ -64,6 +67,7 @@ def chat(
       longctx chat
       longctx chat --prompt "What is the capital of France?"
       longctx chat --model ./Llama-3.1-8B-Instruct --load-in-4bit --kv-bits 4 --file report.txt
+      longctx chat --file book.txt --save-kv book.kvc     (later: longctx chat --load-kv book.kvc)
     """
     import torch
 
@@ -76,6 +80,14 @@ def chat(
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
     doc = read_text_file(file, "--file") if file is not None else None
+    if load_kv is not None:
+        from ..persist import read_info
+
+        if file is not None or system is not None:
+            raise ValueError("--load-kv continues a saved conversation, its system prompt and document included; drop --file and --system")
+        read_info(load_kv)  # (a missing, foreign or damaged file is refused before the model loads)
+    if save_kv is not None and save_kv.is_dir():
+        raise ValueError(f"--save-kv {save_kv} is a directory; give a file name such as book.kvc")
     at_least(chunk, 1, "--chunk")
     if max_new_tokens is not None:
         at_least(max_new_tokens, 1, "--max-new-tokens")
@@ -113,7 +125,18 @@ def chat(
         kv = offload_config(kv, mdl, host_bytes, chunk)
     if doc is not None:
         system = ((system + "\n\n") if system else "") + f"Document ({file.name}):\n\n{doc}"
-    session = ChatSession(mdl, tok, LongCtxCache(mdl, kv), system=system, chunk=chunk, max_context=max_context, graphs=graphs)
+    if load_kv is not None:
+        from ..persist import load_config, read_info
+
+        with err.status(f"loading {load_kv}..."):
+            t0 = time.perf_counter()
+            saved = load_config(read_info(load_kv), None)
+            cfg = dataclasses.replace(saved, max_blocks=kv.max_blocks, host_blocks=kv.host_blocks, stage_blocks=kv.stage_blocks)
+            session = ChatSession.load_kv(mdl, tok, load_kv, cfg, chunk=chunk, max_context=max_context, graphs=graphs)
+            kv = session.cache.kv_config
+        err.print(f"{load_kv.name}: {len(session.cached_ids):,} tokens of {kv.describe()} cache loaded in {time.perf_counter() - t0:.1f} s")
+    else:
+        session = ChatSession(mdl, tok, LongCtxCache(mdl, kv), system=system, chunk=chunk, max_context=max_context, graphs=graphs)
     gen = torch.Generator(device=mdl.device).manual_seed(seed)
 
     class Bar:
@@ -150,6 +173,11 @@ def chat(
         finally:
             bar.close()
         err.print(f"{file.name}: {n:,} tokens in the context ({session.last.prefill_tok_s:,.0f} tok/s)")
+    if save_kv is not None:
+        if not session.cached_ids:
+            session.preload()
+        n = session.save_kv(save_kv)
+        err.print(f"saved {len(session.cached_ids):,} tokens to {save_kv} ({n / 2**20:,.1f} MiB)")
 
     def answer(text: str, echo: bool = False) -> None:
         """One turn; `echo` (piped input) first prints the question as "> question", and a blank
@@ -209,6 +237,16 @@ def chat(
                         out.print(f"could not save to {arg.strip()}: {e.strerror or e}; the chat goes on", style="red", markup=False)
                         continue
                     out.print(f"saved to {arg.strip()}")
+                case "/save-kv":
+                    if not arg.strip():
+                        out.print("usage: /save-kv FILE", style="red")
+                        continue
+                    try:
+                        n = session.save_kv(arg.strip())
+                    except (OSError, ValueError) as e:  # a bad path must not end the chat (and lose it)
+                        out.print(f"could not save to {arg.strip()}: {getattr(e, 'strerror', None) or e}; the chat goes on", style="red", markup=False)
+                        continue
+                    out.print(f"saved {len(session.cached_ids):,} tokens and the conversation to {arg.strip()} ({n / 2**20:,.1f} MiB)")
                 case _:
                     out.print(f"unknown command {cmd}; {HELP}", style="red")
             continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -10,12 +11,19 @@ from rich.markup import escape
 from rich.table import Table
 
 
-def info(as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables")) -> None:
-    """Versions, GPUs, and which attention backends and KV formats work here (and why not).
+def info(file: Path = typer.Argument(None, help="a saved cache (.kvc): what it holds", show_default=False),
+         as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables")) -> None:
+    """Versions, GPUs, and which attention backends and KV formats work here (and why not);
+    or, given a saved cache file, what it holds.
 
-    Example: longctx info --json
+    Examples:
+      longctx info --json
+      longctx info book.kvc
     """
     from ..info import gpus, support_matrix, versions
+
+    if file is not None:
+        return _file_info(file, as_json)
 
     ver, dev, matrix = versions(), gpus(), support_matrix()
     if as_json:
@@ -43,3 +51,24 @@ def info(as_json: bool = typer.Option(False, "--json", help="print JSON instead 
     for s in matrix:
         m.add_row(s.backend, "[green]yes[/]" if s.available else "[red]no[/]", ",".join(map(str, s.formats)) or "-", escape(s.why))  # (notes quote extras: [flash])
     console.print(m)
+
+
+def _file_info(path: Path, as_json: bool) -> None:
+    from ..persist import read_info
+
+    i = read_info(path)
+    turns = [m["role"] for m in i.extra.get("messages", [])]
+    fields = {"file": str(i.path), "format version": i.version, "KV format": i.config.describe(), "model": i.model["architecture"],
+              "model shape": f"{i.model['layers']} layers, {i.model['kv_heads']} KV heads of {i.model['head_dim']}",
+              "model fingerprint": i.model["fingerprint"], "tokens": i.tokens, "rows": i.rows, "pages": i.pages, "dtype": i.dtype,
+              "bytes": i.file_bytes, "bytes a token": round(i.file_bytes / max(1, i.tokens * i.rows)),
+              "conversation": ", ".join(turns) if turns else "none (a cache only)"}
+    if as_json:
+        typer.echo(json.dumps({**fields, "config": i.config.__dict__, "model": i.model}, indent=1))
+        return
+    t = Table(title=f"Saved cache {path.name}", show_header=False)
+    t.add_column("what")
+    t.add_column("value")
+    for k, v in fields.items():
+        t.add_row(k, f"{v:,}" if isinstance(v, int) else escape(str(v)))
+    Console().print(t)

@@ -304,6 +304,37 @@ class LongCtxCache(Cache):
     def memory_report(self) -> MemoryReport:
         return self.paged.memory_report()
 
+    def save(self, path, token_ids, extra: dict | None = None) -> int:
+        """Write the cache and the token ids it holds (int [rows, tokens], or one row's list) to
+        `path`, a safetensors file (`longctx.persist`); returns its bytes. Between forwards.
+        `extra`: plain JSON values kept in the header (`longctx.persist.read_info(path).extra`)."""
+        from ..persist import save
+
+        return save(self.paged, path, token_ids, model=self._model, extra=extra)
+
+    @classmethod
+    def load(cls, model, path, config: KVConfig | None = None, *, attach: bool = True) -> tuple[LongCtxCache, torch.Tensor]:
+        """(cache, token ids) from a file `save` wrote for this `model`, on the model's device.
+        `config`: the file's format with other capacity fields (max_blocks, host_blocks for a
+        host tier that takes the oldest pages, stage_blocks, backend); default the file's, with
+        no cap. A file from another model or version, or damaged, raises CacheFileError."""
+        from ..cache import DTYPES
+        from ..persist import check_model, load_config, load_into, read_info
+
+        info = read_info(path)
+        check_model(info, model)
+        cfg = load_config(info, config)
+        dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else model.dtype
+        if dtype not in DTYPES.values():
+            dtype = DTYPES[info.dtype] if info.dtype in DTYPES else torch.bfloat16
+        cache = cls(model, cfg, attach=attach)
+        try:
+            ids = load_into(cache.paged, path, model.device, dtype)
+        except BaseException:
+            cache.detach()
+            raise
+        return cache, ids
+
     def __repr__(self) -> str:
         return f"LongCtxCache({self.kv_config.describe()}, layers={self.paged.num_layers}, tokens={self.paged.seq_len()})"
 
