@@ -186,7 +186,8 @@ CONFIGURED = [["chat", "--kv-bits", "2", "--rotate", "--max-context", "4096", "-
               ["bench", "seal", "--context", "32k", "--layers", "1", "--block-size", "128"],
               ["bench", "e2e", "--context", "16k", "--layers", "4", "--no-compiled", "--json", "e2e.json"],
               ["bench", "plan", "--format", "int2+rot", "--weights-bits", "4", "--budget-gib", "16", "--max-tokens", "65536"],
-              ["bench", "offload", "--contexts", "1024k", "--formats", "int4", "--no-full-gpu", "--steps", "4", "--prefill", "384k"]]
+              ["bench", "offload", "--contexts", "1024k", "--formats", "int4", "--no-full-gpu", "--steps", "4", "--prefill", "384k"],
+              ["bench", "disk", "--contexts", "32k", "--formats", "int4,int2+rot", "--decode", "4"]]
 
 
 @pytest.mark.parametrize("args", CONFIGURED, ids=lambda a: "-".join(a[:2]))

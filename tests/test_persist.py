@@ -209,3 +209,18 @@ def test_an_interrupted_save_leaves_the_previous_file_whole(smol, tmp_path, monk
     with pytest.raises(ValueError, match="token ids are"):
         cache.save(path, ids[:, :150])
     assert read_info(path).tokens == 200
+
+
+def test_bench_disk_loads_what_it_saved_and_counts_its_bytes(tmp_path):
+    """`longctx bench disk`'s rows on the CPU (a random model of SmolLM2's shape): the loaded
+    cache decodes the saved one's greedy tokens, the file is memory_report()'s bytes plus its
+    header, and no file is left behind."""
+    from longctx.bench.disk import bench_disk
+
+    rows = bench_disk(contexts=(200,), formats=("int4",), model="smollm2-135m", chunk=64, decode=3, directory=tmp_path, device="cpu")
+    (r,) = rows
+    assert (r.context, r.format, r.decoded, r.same_tokens) == (200, "int4", 3, 3)
+    assert 1.0 < r.bytes_ratio < 1.02 and r.prefill_s > 0 and r.load_s > 0
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="unknown format 'int5'"):
+        bench_disk(contexts=(200,), formats=("int5",), device="cpu")

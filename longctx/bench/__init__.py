@@ -1,7 +1,8 @@
 """Benchmarks on a GPU, each against its peers in the same process: `decode` (attention of one
 decode step per layer), `prefill` (a prompt's last chunk per layer), `seal` (what sealing adds
-to a decode step), `e2e` (a Llama-3-8B-shaped model, whole steps) and `plan` (`longctx plan`
-against a measured peak). Each returns rows
+to a decode step), `e2e` (a Llama-3-8B-shaped model, whole steps), `plan` (`longctx plan`
+against a measured peak), `offload` (past the GPU, the host tier) and `disk` (a saved cache
+loaded against prefilling again). Each returns rows
 (dataclasses); the CLI (`longctx bench`) renders them. `common` holds what they share."""
 
 from .common import SHAPES, bench_configs, copy_view, sealing_share, synthetic_view, view_bytes, view_nbytes

@@ -334,3 +334,43 @@ def offload(
                  _fig(r.over_floor, ".3f", "x"), _fig(r.speedup, ".1f", "x"), _fig(r.plan_ms, ",.1f"), _fig(r.peak_gib, ".1f"), _fig(r.fill_s, ".0f"),
                  _fig(r.cpu_ms, ",.0f"), r.note) for r in rows], left=("cache", "note"), console=console)
     _write_json(as_json, rows)
+
+
+@app.command()
+def disk(
+    contexts: str = typer.Option("128k,424k", help="tokens prefilled, saved and loaded"),
+    formats: str = typer.Option("int4", help="KV formats: bf16, int8, int4, int2+rot (plan's, blocks of 64 tokens)"),
+    model: str = typer.Option("llama-3.1-8b", help="a catalog model (longctx plan's); a random bf16 model of its shape is measured"),
+    chunk: int = typer.Option(8192, help="prefill chunk (tokens)"),
+    decode: int = typer.Option(16, help="greedy tokens decoded from the saved and from the loaded cache, compared"),
+    directory: Path = typer.Option(None, "--dir", help="where the files go (default: the temporary directory); each is deleted after its row"),
+    as_json: Path = typer.Option(None, "--json", help="also write the rows as JSON to this file"),
+    show_config: bool = print_config_option(),
+) -> None:
+    """Load a saved cache against prefilling its tokens again: prefill, save and load seconds, the
+    file's bytes against memory_report()'s, and the greedy tokens both caches decode.
+
+    Example: longctx bench disk --contexts 128k,424k --formats int4
+    """
+    from ..bench.disk import bench_disk
+
+    ctx, fmts = parse_sizes(contexts), _names(formats)
+    at_least(chunk, 1, "--chunk")
+    at_least(decode, 1, "--decode")
+    if directory is not None and not directory.is_dir():
+        raise ValueError(f"--dir {directory} is not a directory")
+    if show_config:
+        return print_config(contexts=ctx, formats=fmts)
+    console = Console()
+
+    def show(r) -> None:
+        console.print(f"  {r.context:,} {r.format}: prefill {r.prefill_s:.1f} s, load {r.load_s:.2f} s ({r.load_speedup:.1f}x)",
+                      highlight=False, soft_wrap=True)
+
+    rows = bench_disk(ctx, fmts, model, chunk, decode, directory, progress=show)
+    show_table(f"A saved cache against prefilling again: {model} shape, bf16 weights, chunks of {chunk:,}",
+               ("format", "context", "prefill s", "save s", "load s", "load vs prefill", "file GiB", "file / memory_report", "greedy tokens equal"),
+               [(r.format, f"{r.context:,}", f"{r.prefill_s:.1f}", f"{r.save_s:.1f}", f"{r.load_s:.2f}", f"{r.load_speedup:.1f}x faster",
+                 f"{r.file_bytes / 2**30:.2f}", f"{r.bytes_ratio:.4f}", f"{r.same_tokens} of {r.decoded}") for r in rows],
+               left=("format",), console=console)
+    _write_json(as_json, rows)
