@@ -151,7 +151,7 @@ class PagedKVCache:
         ]
         self.pages = [Pages(fmt) for fmt in self.formats]
         for pages in self.pages:
-            for name, shape, dtype in self._pool_fields(pages.fmt, 0):
+            for name, shape, dtype in self.pool_fields(pages.fmt, 0):
                 setattr(pages, name, torch.empty(shape, dtype=dtype, device=self.device))
         self.sink_k = torch.empty(L, 0, H, P, D, dtype=self.dtype, device=self.device)
         self.sink_v = torch.empty_like(self.sink_k)
@@ -160,7 +160,7 @@ class PagedKVCache:
         self.tables.ensure_rows(batch)
 
     @staticmethod
-    def _pool_fields(fmt: BlockFormat, n: int):
+    def pool_fields(fmt: BlockFormat, n: int):
         H, P, D, dt = fmt.num_kv_heads, fmt.block_size, fmt.head_dim, fmt.dtype
         if fmt.k_bits == 16:
             yield "k", (n, H, P, D), dt
@@ -175,13 +175,13 @@ class PagedKVCache:
             yield "v_scale", (n, H, P, D // fmt.group_size), dt
             yield "v_zero", (n, H, P, D // fmt.group_size), dt
 
-    def _grow_pools(self) -> None:
+    def grow_pools(self) -> None:
         """Make every pool at least as large as its allocator's capacity: by doubling, or,
         with `max_blocks`, straight to max_blocks at the first need (one allocation, no
         copy later: memory is what `longctx plan` predicts, with no transient 1.5x)."""
         need = self.block_alloc.capacity
         for pages in self.pages:
-            for name, shape, dtype in self._pool_fields(pages.fmt, 0):
+            for name, shape, dtype in self.pool_fields(pages.fmt, 0):
                 t = getattr(pages, name)
                 if t.shape[0] < need:
                     cap = max(need, 2 * t.shape[0], 4)
@@ -198,6 +198,26 @@ class PagedKVCache:
                 grown = t.new_zeros(t.shape[0], cap, *t.shape[2:])
                 grown[:, : t.shape[1]] = t
                 setattr(self, name, grown)
+
+    def start(self, dtype: torch.dtype, device, rows: int) -> None:
+        """Empty storage for `rows` rows of `dtype` on `device`, as the first append makes it
+        (`longctx.persist` fills it from a file)."""
+        self._init_storage(torch.empty(0, dtype=dtype, device=device), rows)
+
+    def set_tails(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every layer's tail, [L, B, H_kv, n, D] (n under a block, between forwards)."""
+        n = k.shape[3]
+        self._ensure_tail_capacity(n)
+        self.tail_k[:, :, :, :n] = k
+        self.tail_v[:, :, :, :n] = v
+        self.tail_len = [n] * self.num_layers
+
+    def tables_changed(self) -> None:
+        """The block tables were rebuilt outside seal/select (a load): drop what was derived from them."""
+        self._table_tensor = None
+        self.device_step = None
+        if self.host is not None:
+            self.host.invalidate()
 
     def _ensure_tail_capacity(self, n: int) -> None:
         cap = self.tail_k.shape[3]
@@ -365,7 +385,7 @@ class PagedKVCache:
         sink_ids = self.sink_alloc.allocate(n_sink_new)
         quant_ids = self.block_alloc.allocate(n_quant_new)
         try:
-            self._grow_pools()
+            self.grow_pools()
             if quant_sel:
                 self._quantize_into(quant_sel, quant_ids, blocks_k, blocks_v)
         except BaseException:

@@ -183,7 +183,7 @@ class HostTier:
         self._cuda = cache.device.type == "cuda"
         fields, total = [], 0
         for layer, fmt in enumerate(cache.formats):
-            for name, shape, dtype in cache._pool_fields(fmt, self.host_blocks):
+            for name, shape, dtype in cache.pool_fields(fmt, self.host_blocks):
                 n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
                 fields.append((layer, name, shape, dtype, total, n))
                 total += -(-n // ALIGN) * ALIGN
@@ -250,7 +250,7 @@ class HostTier:
         if key not in self._stage:
             p = Pages(fmt)
             with torch.inference_mode(False):
-                for name, shape, dtype in self.cache._pool_fields(fmt, self.stage_blocks):
+                for name, shape, dtype in self.cache.pool_fields(fmt, self.stage_blocks):
                     setattr(p, name, torch.empty(shape, dtype=dtype, device=self.cache.device))
             self._stage[key] = p
         return self._stage[key]

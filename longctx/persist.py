@@ -126,7 +126,7 @@ def _saved_pages(cache) -> tuple[list[int], list[tuple[str, int]]]:
 
 
 def _fields(cache) -> list[tuple[int, str, tuple, torch.dtype]]:
-    return [(layer, name, shape[1:], dtype) for layer, fmt in enumerate(cache.formats) for name, shape, dtype in cache._pool_fields(fmt, 0)]
+    return [(layer, name, shape[1:], dtype) for layer, fmt in enumerate(cache.formats) for name, shape, dtype in cache.pool_fields(fmt, 0)]
 
 
 def _per_slice(row_bytes: int) -> int:
@@ -360,8 +360,7 @@ def _restore(cache, path: Path, info: CacheFileInfo, f, read, table: torch.Tenso
     if host_cols and host_pages > cfg.host_blocks:
         raise CacheFullError(f"{path} needs {host_pages:,} pages in the host tier beside max_blocks={cfg.max_blocks:,} on the device; "
                              f"host_blocks={cfg.host_blocks:,}")
-    like = torch.empty(0, dtype=dtype, device=device)
-    cache._init_storage(like, rows)
+    cache.start(dtype, device, rows)
     # the tables, column by column: rows holding the same saved page share one new id
     t.host_upto = S + host_cols
     sink_new, page_new = {}, {}  # saved index -> new id
@@ -373,10 +372,9 @@ def _restore(cache, path: Path, info: CacheFileInfo, f, read, table: torch.Tenso
         for saved, bid in zip(groups, ids):
             (sink_new if j < S else page_new)[saved] = ("device" if j >= S + host_cols or j < S else "host", bid)
         t.push(list(groups.values()), ids)
-    cache._grow_pools()
+    cache.grow_pools()
     if host_cols:
         cache.host.prepare()
-        cache.host.invalidate()
     # sinks and tails
     sinks = sorted(sink_new.items())
     if sinks:
@@ -389,11 +387,7 @@ def _restore(cache, path: Path, info: CacheFileInfo, f, read, table: torch.Tenso
     k, v = read("tails.k"), read("tails.v")
     _verify(path, "tails.k", k, sums)
     _verify(path, "tails.v", v, sums)
-    tail = k.shape[3]
-    cache._ensure_tail_capacity(tail)
-    cache.tail_k[:, :, :, :tail] = k.to(device, dtype)
-    cache.tail_v[:, :, :, :tail] = v.to(device, dtype)
-    cache.tail_len = [tail] * cache.num_layers
+    cache.set_tails(k.to(device, dtype), v.to(device, dtype))
     # the pages, a slice at a time, into their tier
     order = [page_new[i] for i in range(len(page_new))]
     for layer, name, shape, fdtype in _fields(cache):
@@ -415,8 +409,7 @@ def _restore(cache, path: Path, info: CacheFileInfo, f, read, table: torch.Tenso
                     dst.index_copy_(0, ids, src.index_select(0, torch.tensor(at, device=src.device)).to(dst.device, dst.dtype))
         if sums.get(key) != check.hex():
             raise CacheFileError(f"{path}: {key} does not match its checksum; the file is damaged (a changed or missing byte)")
-    cache._table_tensor = None
-    cache.device_step = None
+    cache.tables_changed()
 
 
 # ---------------------------------------------------------------------- prefix reuse

@@ -67,7 +67,8 @@ def chat(
       longctx chat
       longctx chat --prompt "What is the capital of France?"
       longctx chat --model ./Llama-3.1-8B-Instruct --load-in-4bit --kv-bits 4 --file report.txt
-      longctx chat --file book.txt --save-kv book.kvc     (later: longctx chat --load-kv book.kvc)
+      longctx chat --file book.txt --save-kv book.kvc
+      longctx chat --load-kv book.kvc
     """
     import torch
 
