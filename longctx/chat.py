@@ -17,6 +17,7 @@ import torch
 
 from .generate import GenerationStats, prefill
 from .integrations.transformers import cache_kwargs
+from .persist import common_prefix
 
 
 @dataclass
@@ -75,15 +76,6 @@ def repeating(ids: list[int], longest: int = 64) -> bool:
         if all(ids[-(i + 1) * n : len(ids) - i * n] == span for i in range(1, times)):
             return True
     return False
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
@@ -146,7 +138,7 @@ class ChatSession:
 
     def _sync_prefix(self, full: list[int]) -> list[int]:
         """Crop the cache to the part of `full` it already holds; return the rest."""
-        keep = _common_prefix(self.cached_ids, full)
+        keep = common_prefix(self.cached_ids, full)
         if keep == len(full):  # always feed at least one token to get logits
             keep -= 1
         if keep < len(self.cached_ids):

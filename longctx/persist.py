@@ -414,6 +414,7 @@ def _restore(cache, path: Path, info: CacheFileInfo, f, read, table: torch.Tenso
 
 # ---------------------------------------------------------------------- prefix reuse
 def common_prefix(saved: Sequence[int], ids: Sequence[int]) -> int:
+    """The number of leading tokens `saved` and `ids` hold alike."""
     n = 0
     for a, b in zip(saved, ids):
         if a != b:
