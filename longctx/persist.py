@@ -148,6 +148,8 @@ def save(cache, path: str | os.PathLike, token_ids, model=None, identity: dict |
     if len(set(cache.tail_len)) != 1:
         raise RuntimeError("save: the layers hold different lengths (a forward is under way); save between forwards")
     cache.seal()  # (full tail blocks as pages, as the next forward would: what memory_report counts)
+    if cache.device.type == "cuda":  # (a spill's copies to the host tier run on a side stream)
+        torch.cuda.synchronize(cache.device)
     rows, tokens = cache.batch_size, cache.seq_len()
     if tuple(ids.shape) != (rows, tokens):
         raise ValueError(f"save: the cache holds {rows} row(s) of {tokens:,} tokens, the token ids are {tuple(ids.shape)}")
