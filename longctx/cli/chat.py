@@ -120,6 +120,11 @@ def chat(
     with err.status("loading model..."):
         mdl, tok = load_model(model, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, device=None if device == "auto" else device)
     sampling = SamplingConfig.for_model(mdl, **given)
+    if load_kv is not None:  # the file's format, sized by --max-context and --host-mem as a new cache would be
+        from ..persist import load_config, read_info
+
+        saved = load_config(read_info(load_kv), None)
+        kv = dataclasses.replace(saved, max_blocks=-(-max_context // saved.block_size) if max_context else None)
     if host_bytes:
         from ..offload import offload_config
 
@@ -127,14 +132,9 @@ def chat(
     if doc is not None:
         system = ((system + "\n\n") if system else "") + f"Document ({file.name}):\n\n{doc}"
     if load_kv is not None:
-        from ..persist import load_config, read_info
-
         with err.status(f"loading {load_kv}..."):
             t0 = time.perf_counter()
-            saved = load_config(read_info(load_kv), None)
-            cfg = dataclasses.replace(saved, max_blocks=kv.max_blocks, host_blocks=kv.host_blocks, stage_blocks=kv.stage_blocks)
-            session = ChatSession.load_kv(mdl, tok, load_kv, cfg, chunk=chunk, max_context=max_context, graphs=graphs)
-            kv = session.cache.kv_config
+            session = ChatSession.load_kv(mdl, tok, load_kv, kv, chunk=chunk, max_context=max_context, graphs=graphs)
         err.print(f"{load_kv.name}: {len(session.cached_ids):,} tokens of {kv.describe()} cache loaded in {time.perf_counter() - t0:.1f} s")
     else:
         session = ChatSession(mdl, tok, LongCtxCache(mdl, kv), system=system, chunk=chunk, max_context=max_context, graphs=graphs)
