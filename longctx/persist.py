@@ -305,28 +305,27 @@ def load_config(info: CacheFileInfo, config: KVConfig | None) -> KVConfig:
     return config
 
 
-def load_into(cache, path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    """Fill `cache` (a new, empty PagedKVCache of the file's format) from the file at `path`
-    on `device` with tails, sinks and scales in `dtype`; returns the token ids it holds
-    (int64 [rows, tokens], on the CPU). The oldest pages go to the host tier when the device
-    part (`max_blocks`) cannot hold them all. On any error the cache is left empty."""
-    path = Path(path)
-    info = read_info(path)
+def load_into(cache, info: CacheFileInfo, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """Fill `cache` (a new, empty PagedKVCache of the file's format) from the file `info`
+    (`read_info`) describes, on `device` with tails, sinks and scales in `dtype`; returns the
+    token ids it holds (int64 [rows, tokens], on the CPU). The oldest pages go to the host tier
+    when the device part (`max_blocks`) cannot hold them all. On any error the cache is left
+    empty."""
+    path = info.path
     try:
         with _open(path) as f:
             meta = f.metadata()
             sums = json.loads(meta["checksums"])
 
-            def read(name: str, lo: int | None = None, hi: int | None = None, on=None) -> torch.Tensor:
-                t = f.get_slice(name)[lo:hi] if lo is not None else f.get_tensor(name)
-                return t if on is None else t.to(on)
+            def read(name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+                return f.get_slice(name)[lo:hi] if lo is not None else f.get_tensor(name)
 
             ids, table = read("token_ids"), read("tables")
             _verify(path, "token_ids", ids, sums)
             _verify(path, "tables", table, sums)
             if tuple(ids.shape) != (info.rows, info.tokens) or _ids_hash(ids) != info.ids_sha256:
                 raise CacheFileError(f"{path}: its token ids do not match their hash in the header; the file is damaged")
-            _restore(cache, path, info, f, read, table, sums, torch.device(device), dtype)
+            _restore(cache, path, info, read, table, sums, torch.device(device), dtype)
         return ids
     except BaseException:
         cache.reset()
@@ -340,7 +339,7 @@ def _verify(path: Path, name: str, data: torch.Tensor, sums: dict) -> None:
         raise CacheFileError(f"{path}: {name} does not match its checksum; the file is damaged (a changed or missing byte)")
 
 
-def _restore(cache, path: Path, info: CacheFileInfo, f, read, table: torch.Tensor, sums: dict, device: torch.device, dtype) -> None:
+def _restore(cache, path: Path, info: CacheFileInfo, read, table: torch.Tensor, sums: dict, device: torch.device, dtype) -> None:
     t, cfg = cache.tables, cache.config
     rows, nb = table.shape
     S = cfg.sink_blocks

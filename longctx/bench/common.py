@@ -218,3 +218,14 @@ def sealing_share(step_ms: list[float], sealed: list[bool], block_size: int) -> 
     median = median_of(plain)
     extra = sum(seals) / len(seals) - median
     return extra, 100.0 * extra / (block_size * median)
+
+
+def greedy_steps(model, cache, first: torch.Tensor, n: int):
+    """Yield `n` greedy token ids decoded eagerly through `cache`, the first being `first` (int
+    [1, 1]), which is fed to get the next (call under torch.inference_mode)."""
+    from ..integrations.transformers import cache_kwargs
+
+    tok = first
+    for _ in range(n):
+        yield int(tok)
+        tok = model(input_ids=tok, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)

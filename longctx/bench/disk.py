@@ -20,6 +20,7 @@ import torch
 
 from ..errors import BackendUnavailableError
 from ..plan import FORMAT_PRESETS, model_shape
+from .common import greedy_steps
 from .plan import FORMATS, random_model
 
 
@@ -59,7 +60,7 @@ def bench_disk(contexts=(131072, 434176), formats=("int4",), model: str = "llama
     (default: the temporary directory), each deleted after its row."""
     from ..config import KVConfig
     from ..generate import prefill
-    from ..integrations.transformers import LongCtxCache, cache_kwargs
+    from ..integrations.transformers import LongCtxCache
 
     bad = [f for f in formats if f not in FORMATS]
     if bad:
@@ -79,14 +80,6 @@ def bench_disk(contexts=(131072, 434176), formats=("int4",), model: str = "llama
         for fmt in formats:
             path = folder / f"longctx-bench-{model}-{fmt}-{context}.kvc"
 
-            def greedy(cache, first):
-                out, tok = [], first
-                with torch.inference_mode():
-                    for _ in range(decode):
-                        out.append(int(tok))
-                        tok = net(input_ids=tok, use_cache=True, **cache_kwargs(net, cache)).logits[:, -1:].argmax(-1)
-                return out
-
             try:
                 cache = LongCtxCache(net, KVConfig(**FORMAT_PRESETS[FORMATS[fmt]]))
                 with torch.inference_mode():
@@ -100,7 +93,8 @@ def bench_disk(contexts=(131072, 434176), formats=("int4",), model: str = "llama
                 t0 = time.perf_counter()
                 size = cache.save(path, ids)
                 save_s = time.perf_counter() - t0
-                want = greedy(cache, first)
+                with torch.inference_mode():
+                    want = list(greedy_steps(net, cache, first, decode))
                 cache.detach()
                 cache = logits = None
                 gc.collect()
@@ -111,7 +105,8 @@ def bench_disk(contexts=(131072, 434176), formats=("int4",), model: str = "llama
                 loaded, _ = LongCtxCache.load(net, path)
                 _sync(device)
                 load_s = time.perf_counter() - t0
-                got = greedy(loaded, first)
+                with torch.inference_mode():
+                    got = list(greedy_steps(net, loaded, first, decode))
                 loaded.detach()
                 loaded = None
             finally:

@@ -32,7 +32,7 @@ import torch
 from ..config import KVConfig
 from ..errors import BackendUnavailableError
 from ..plan import FORMAT_PRESETS, model_shape, offload_step_ms, plan
-from .common import out_of_memory
+from .common import greedy_steps, out_of_memory
 from .plan import FORMATS, random_model, to_nf4
 
 GIB = 2**30
@@ -291,7 +291,7 @@ def bench_offload_prefill(model: str = "llama-3.1-8b", context: int = 393216, fm
     host tier, the process capped at `budget_gib`, then `decode` greedy tokens; and the same
     with no cap, all on the GPU. progress(tokens_done, tokens) follows each prefill."""
     from ..generate import prefill
-    from ..integrations.transformers import LongCtxCache, cache_kwargs
+    from ..integrations.transformers import LongCtxCache
     from ..offload import host_memory_available
 
     check_offload_options([fmt], [context], [], weights_bits, budget_gib, decode)
@@ -333,10 +333,8 @@ def bench_offload_prefill(model: str = "llama-3.1-8b", context: int = 393216, fm
                 cache.paged.seal()
                 torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0
-                tok = logits.argmax(-1, keepdim=True)
-                for _ in range(decode):
-                    out.append(int(tok))
-                    tok = net(input_ids=tok, use_cache=True, **cache_kwargs(net, cache)).logits[:, -1:].argmax(-1)
+                for t in greedy_steps(net, cache, logits.argmax(-1, keepdim=True), decode):
+                    out.append(t)
             host = cache.paged.memory_report().bytes_by_tier["host"]
         except Exception as e:
             if not out_of_memory(e):
@@ -348,7 +346,7 @@ def bench_offload_prefill(model: str = "llama-3.1-8b", context: int = 393216, fm
         row = PrefillRow(name, context, seconds, torch.cuda.max_memory_allocated() / GIB, cap if cap is not None else float("nan"),
                          host / GIB, note=note)
         tokens.append(out)
-        cache = logits = tok = None  # (the uncapped run's pages go before the capped run starts)
+        cache = logits = None  # (the uncapped run's pages go before the capped run starts)
         if rows:
             row.ratio = row.prefill_s / rows[0].prefill_s
             row.same_tokens = 0  # (the leading greedy tokens both runs chose alike)

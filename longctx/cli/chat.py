@@ -81,12 +81,13 @@ def chat(
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
     doc = read_text_file(file, "--file") if file is not None else None
+    saved = None  # the --load-kv file's header, read before the model loads (a missing, foreign or damaged file is refused there)
     if load_kv is not None:
         from ..persist import read_info
 
         if file is not None or system is not None:
             raise ValueError("--load-kv continues a saved conversation, its system prompt and document included; drop --file and --system")
-        read_info(load_kv)  # (a missing, foreign or damaged file is refused before the model loads)
+        saved = read_info(load_kv)
     if save_kv is not None and save_kv.is_dir():
         raise ValueError(f"--save-kv {save_kv} is a directory; give a file name such as book.kvc")
     at_least(chunk, 1, "--chunk")
@@ -120,11 +121,11 @@ def chat(
     with err.status("loading model..."):
         mdl, tok = load_model(model, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, device=None if device == "auto" else device)
     sampling = SamplingConfig.for_model(mdl, **given)
-    if load_kv is not None:  # the file's format, sized by --max-context and --host-mem as a new cache would be
-        from ..persist import load_config, read_info
+    if saved is not None:  # the file's format, sized by --max-context and --host-mem as a new cache would be
+        from ..persist import load_config
 
-        saved = load_config(read_info(load_kv), None)
-        kv = dataclasses.replace(saved, max_blocks=-(-max_context // saved.block_size) if max_context else None)
+        fmt = load_config(saved, None)
+        kv = dataclasses.replace(fmt, max_blocks=-(-max_context // fmt.block_size) if max_context else None)
     if host_bytes:
         from ..offload import offload_config
 

@@ -329,7 +329,7 @@ class LongCtxCache(Cache):
             dtype = DTYPES[info.dtype] if info.dtype in DTYPES else torch.bfloat16
         cache = cls(model, cfg, attach=attach)
         try:
-            ids = load_into(cache.paged, path, model.device, dtype)
+            ids = load_into(cache.paged, info, model.device, dtype)
         except BaseException:
             cache.detach()
             raise
