@@ -147,7 +147,7 @@ class PagedKVCache:
         self.dtype, self.device = dtype, like.device
         L, H, P, D = self.num_layers, self.num_kv_heads, self.block_size, self.head_dim
         self.formats = [
-            BlockFormat(*cfg.layer_bits(l), P, cfg.group_size, D, H, self.dtype, cfg.rotate) for l in range(L)
+            cfg.block_format(l, D, H, self.dtype) for l in range(L)
         ]
         self.pages = [Pages(fmt) for fmt in self.formats]
         for pages in self.pages:
@@ -166,8 +166,8 @@ class PagedKVCache:
             yield "k", (n, H, P, D), dt
         else:
             yield "k_codes", (n, H, P, D * fmt.k_bits // 8), torch.uint8
-            yield "k_scale", (n, H, D), dt
-            yield "k_zero", (n, H, D), dt
+            yield "k_scale", (n, H, fmt.k_groups, D), dt
+            yield "k_zero", (n, H, fmt.k_groups, D), dt
         if fmt.v_bits == 16:
             yield "v", (n, H, P, D), dt
         else:

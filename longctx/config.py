@@ -40,6 +40,10 @@ class KVConfig:
     k_bits:      overrides `bits` for keys (e.g. 8 with v_bits=4: keys carry the error).
     v_bits:      overrides `bits` for values.
     block_size:  tokens per page, a power of two in 16..256.
+    k_span:      tokens one K scale and zero-point cover per channel (K's range along
+                 tokens): a power of two from 16 that divides block_size; None: the whole
+                 page. A page then holds block_size / k_span scale rows per channel: int2
+                 keeps its quality with ranges over 16 tokens and its pages at 64.
     group_size:  values are quantized per token in groups of this many channels; must
                  divide head_dim. None: the largest divisor of head_dim up to 64, or up to
                  128 for 8-bit values (one group a head at head_dim 128).
@@ -72,6 +76,7 @@ class KVConfig:
     k_bits: int | None = None
     v_bits: int | None = None
     block_size: int = 64
+    k_span: int | None = None
     group_size: int | None = None
     sink_blocks: int = 1
     rotate: bool = False
@@ -92,6 +97,9 @@ class KVConfig:
         bs = self.block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
             _fail("block_size", bs, "a power of two from 16 to 256")
+        ks = self.k_span
+        if ks is not None and (isinstance(ks, bool) or not isinstance(ks, int) or ks < 16 or ks & (ks - 1) or ks > bs):
+            _fail("k_span", ks, f"a power of two from 16 up to block_size={bs}, or None for the whole page")
         gs = self.group_size
         if gs is not None and (isinstance(gs, bool) or not isinstance(gs, int) or gs < 1):
             _fail("group_size", gs, "a positive integer that divides head_dim, or None")
@@ -138,6 +146,11 @@ class KVConfig:
             return 16, 16
         return self.key_bits, self.value_bits
 
+    @property
+    def key_span(self) -> int:
+        """Tokens a K scale row covers: k_span, or the whole page."""
+        return self.k_span if self.k_span is not None else self.block_size
+
     def resolve(self, num_layers: int, head_dim: int) -> KVConfig:
         """Check the fields that depend on the model and fill `group_size`."""
         gs = self.group_size
@@ -161,6 +174,14 @@ class KVConfig:
             name += "+rot"
         return name
 
+    def block_format(self, layer: int, head_dim: int, kv_heads: int, dtype):
+        """The storage format of decoder layer `layer`'s pages (a resolved config: group_size
+        filled), K and V of `dtype`."""
+        from .quant import BlockFormat
+
+        return BlockFormat(*self.layer_bits(layer), self.block_size, self.group_size, head_dim, kv_heads, dtype, self.rotate,
+                           self.key_span)
+
 
 @functools.cache
 def _presets() -> dict[str, dict]:
@@ -169,9 +190,21 @@ def _presets() -> dict[str, dict]:
     return yaml.safe_load(resources.files("longctx").joinpath("configs/kv.yaml").read_text())
 
 
+def bits_format(bits: int, **overrides) -> KVConfig:
+    """The named format that `bits` stands for in `chat --kv-bits` and `plan` (BITS_FORMATS:
+    2 is int2+rot), with `overrides` on top."""
+    if isinstance(bits, bool) or bits not in BITS_FORMATS:
+        raise ValueError(f"kv bits must be 16, 8, 4 or 2, got {bits!r}")
+    return kv_preset(BITS_FORMATS[bits], **overrides)
+
+
 def kv_preset_names() -> list[str]:
     """The named KV formats of `longctx/configs/kv.yaml`, in its order."""
     return list(_presets())
+
+
+# the named format `--kv-bits N` and plan's bits take
+BITS_FORMATS = {16: "bf16", 8: "int8", 4: "int4", 2: "int2+rot"}
 
 
 def kv_preset(name: str, **overrides) -> KVConfig:

@@ -36,11 +36,11 @@ from .config import KVConfig
 from .errors import CacheFullError, LongCtxError
 
 FORMAT = "longctx-kv"
-VERSION = 1
+VERSION = 2  # 2: K scales [pages, kv_heads, block_size / k_span, head_dim]
 SLICE_BYTES = 64 << 20  # pages moved at a time, saving and loading (bounds the extra memory)
 _MOD = 65521  # checksum weights: (byte offset mod _MOD) + 1
 _DTYPES = {torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-_FORMAT_FIELDS = ("bits", "k_bits", "v_bits", "block_size", "group_size", "sink_blocks", "rotate", "layers_16bit")
+_FORMAT_FIELDS = ("bits", "k_bits", "v_bits", "block_size", "k_span", "group_size", "sink_blocks", "rotate", "layers_16bit")
 
 
 class CacheFileError(LongCtxError, ValueError):

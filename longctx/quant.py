@@ -3,8 +3,9 @@
 Every backend shares this contract (../shared/DESIGN.md, "The quantized block format"):
 
 - K, per channel within a block: for each block, KV head and channel, one scale and one
-  zero-point over the block's `P` tokens. Scores fold them into the query:
-  q.k = (q*s).k_int + q.z.
+  zero-point over each span of `k_span` tokens (by default the block's `P`: one span), so a
+  block holds P / k_span scale rows. Scores fold them into the query:
+  q.k = (q*s).k_int + q.z, a span at a time.
 - V, per token in groups of `group_size` channels: one scale and zero-point per token and group.
 - Codes are unsigned and asymmetric (min/max), packed little-end-first along head_dim:
   int8 one per byte, int4 two per byte (low nibble first), int2 four per byte.
@@ -17,7 +18,7 @@ Every backend shares this contract (../shared/DESIGN.md, "The quantized block fo
   cache before quantizing (`rotate_to_seal`: the same bits on every device and backend) and
   undone after dequantizing (or folded into the query).
 
-Shapes: K block data [..., P, D] -> codes [..., P, D*bits/8] uint8, scale/zero [..., D];
+Shapes: K block data [..., P, D] -> codes [..., P, D*bits/8] uint8, scale/zero [..., P/k_span, D];
 V block data [..., P, D] -> codes [..., P, D*bits/8] uint8, scale/zero [..., P, D/group].
 """
 
@@ -44,6 +45,16 @@ class BlockFormat:
     num_kv_heads: int
     dtype: torch.dtype  # unquantized data and scales
     rotate: bool = False
+    k_span: int = 0  # tokens a K scale row covers (0: the block)
+
+    def __post_init__(self) -> None:
+        if not self.k_span:
+            object.__setattr__(self, "k_span", self.block_size)
+
+    @property
+    def k_groups(self) -> int:
+        """K scale rows a block holds per KV head (block_size / k_span)."""
+        return self.block_size // self.k_span
 
     @property
     def elem_bytes(self) -> int:
@@ -63,7 +74,7 @@ class BlockFormat:
             out["dense"] += H * P * D * e
         else:
             out["codes"] += H * P * D * self.k_bits // 8
-            out["scales"] += H * 2 * D * e
+            out["scales"] += H * self.k_groups * 2 * D * e
         if self.v_bits == 16:
             out["dense"] += H * P * D * e
         else:
@@ -76,8 +87,7 @@ class BlockFormat:
 def page_bytes(cfg, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
     """(one block id's bytes over all `layers`, the largest layer's) in the formats of `cfg`, a
     resolved KVConfig: what a sealed page costs in each tier, and per layer in a staging slice."""
-    sizes = [sum(BlockFormat(*cfg.layer_bits(l), cfg.block_size, cfg.group_size, head_dim, kv_heads, dtype, cfg.rotate).block_bytes().values())
-             for l in range(layers)]
+    sizes = [sum(cfg.block_format(l, head_dim, kv_heads, dtype).block_bytes().values()) for l in range(layers)]
     return sum(sizes), max(sizes)
 
 
@@ -209,16 +219,29 @@ def _affine_quantize(x: torch.Tensor, dim: int, bits: int, dtype: torch.dtype, w
     return codes, scale, zero
 
 
-def quantize_k(k: torch.Tensor, bits: int, dtype: torch.dtype):
-    """K block [..., P, D] -> (packed codes [..., P, D*bits/8], scale [..., D], zero [..., D])."""
-    codes, scale, zero = _affine_quantize(k, -2, bits, dtype, "keys")
-    return pack_codes(codes, bits), scale.squeeze(-2), zero.squeeze(-2)
+def quantize_k(k: torch.Tensor, bits: int, dtype: torch.dtype, span: int | None = None):
+    """K block [..., P, D] -> (packed codes [..., P, D*bits/8], scale, zero): with `span`, a
+    scale row per span of tokens, [..., P/span, D]; without, one over the block, [..., D]."""
+    *lead, P, D = k.shape
+    if span is None:
+        codes, scale, zero = _affine_quantize(k, -2, bits, dtype, "keys")
+        return pack_codes(codes, bits), scale.squeeze(-2), zero.squeeze(-2)
+    if span < 1 or P % span:
+        raise ValueError(f"quantize_k: span {span} must divide the block's {P} tokens")
+    codes, scale, zero = _affine_quantize(k.reshape(*lead, P // span, span, D), -2, bits, dtype, "keys")
+    return pack_codes(codes.reshape(*lead, P, D), bits), scale.squeeze(-2), zero.squeeze(-2)
 
 
 def dequantize_k(packed, scale, zero, bits: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of quantize_k: [..., P, D] in out_dtype."""
+    """Inverse of quantize_k: [..., P, D] in out_dtype (scale and zero [..., D] or, a row a
+    span, [..., P/span, D])."""
     codes = unpack_codes(packed, bits).float()
-    return (codes * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)).to(out_dtype)
+    if scale.dim() == codes.dim() - 1:
+        return (codes * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)).to(out_dtype)
+    *lead, P, D = codes.shape
+    S = scale.shape[-2]
+    x = codes.reshape(*lead, S, P // S, D) * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)
+    return x.reshape(*lead, P, D).to(out_dtype)
 
 
 def quantize_v(v: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype):

@@ -30,6 +30,10 @@ def test_mixed_bits_and_16bit_layers():
         ("block_size", 48),
         ("block_size", 8),
         ("block_size", 512),
+        ("k_span", 8),
+        ("k_span", 24),
+        ("k_span", 128),  # more than the page (64)
+        ("k_span", True),
         ("group_size", 0),
         ("sink_blocks", -1),
         ("rotate", "yes"),
@@ -90,9 +94,33 @@ def test_kv_presets_are_the_named_formats():
 
     assert kv_preset_names() == ["bf16", "int8", "k8v4", "int4", "int4+rot", "int2+rot"]
     assert {n: kv_preset(n).describe() for n in kv_preset_names()} == {n: n for n in kv_preset_names()}  # each name says what it is
-    assert kv_preset("int2+rot") == KVConfig(bits=2, rotate=True, block_size=16)
+    assert kv_preset("int2+rot") == KVConfig(bits=2, rotate=True, k_span=16)  # K's ranges over 16 tokens, pages of 64
     assert kv_preset("int4", block_size=128) == KVConfig(bits=4, block_size=128)
     with pytest.raises(ValueError, match="unknown format 'int3'; choose from bf16, int8"):
         kv_preset("int3")
     # the benches take them at their block size, and "int2" as int2+rot
-    assert format_config("int2", 64) == format_config("int2+rot", 64) == KVConfig(bits=2, rotate=True, block_size=64)
+    assert format_config("int2", 64) == format_config("int2+rot", 64) == KVConfig(bits=2, rotate=True, k_span=16, block_size=64)
+    assert format_config("int2+rot", 16) == KVConfig(bits=2, rotate=True, k_span=16, block_size=16)  # a span a page
+
+
+def test_bits_stand_for_the_named_formats():
+    """`chat --kv-bits N` and `plan`'s bits take the named formats of kv.yaml: one definition."""
+    from longctx.config import BITS_FORMATS, bits_format, kv_preset
+
+    assert {b: bits_format(b) for b in (16, 8, 4, 2)} == {b: kv_preset(n) for b, n in BITS_FORMATS.items()}
+    assert bits_format(2) == KVConfig(bits=2, rotate=True, k_span=16)
+    assert bits_format(2, block_size=128) == KVConfig(bits=2, rotate=True, k_span=16, block_size=128)
+    with pytest.raises(ValueError, match="kv bits must be 16, 8, 4 or 2, got 3"):
+        bits_format(3)
+
+
+def test_k_span_sets_the_scale_rows_of_a_page():
+    import torch
+
+    cfg = KVConfig(bits=2, rotate=True, k_span=16).resolve(2, 128)
+    fmt = cfg.block_format(0, 128, 8, torch.bfloat16)
+    assert (cfg.key_span, fmt.k_span, fmt.k_groups) == (16, 16, 4)
+    # a scale and a zero a channel per span: 4 x 2 x 128 x 2 bytes a head, against one row's 512
+    assert fmt.block_bytes()["scales"] - KVConfig(bits=2, rotate=True).resolve(2, 128).block_format(0, 128, 8, torch.bfloat16).block_bytes()["scales"] \
+        == 8 * 3 * 2 * 128 * 2
+    assert KVConfig(bits=4).resolve(2, 128).block_format(0, 128, 8, torch.bfloat16).k_groups == 1

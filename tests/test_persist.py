@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from longctx import CacheFullError, KVConfig, LongCtxCache
+from longctx.config import kv_preset
 from longctx.eval import default_text
 from longctx.generate import prefill
 from longctx.integrations.transformers import cache_kwargs
 from longctx.persist import CacheFileError, read_info, reuse_prefix
 
-FORMATS = {"bf16": KVConfig(bits=16), "int4": KVConfig(bits=4), "int2+rot": KVConfig(bits=2, rotate=True, block_size=16)}
+FORMATS = {"bf16": KVConfig(bits=16), "int4": KVConfig(bits=4), "int2+rot": kv_preset("int2+rot")}  # (spans of K scales in pages of 64)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +161,9 @@ def test_foreign_or_damaged_files_are_one_line_errors_and_change_nothing(smol, t
         d[len(d) // 2] ^= 0x10
 
     def version(d):
-        i = d.index(b'"version":"1"')
+        from longctx.persist import VERSION
+
+        i = d.index(b'"version":"%d"' % VERSION)
         d[i + 11] = ord("9")
 
     cases = {"flipped.kvc": (flip_middle, "checksum"), "short.kvc": (lambda d: d.__delitem__(slice(len(d) - 1000, None)), "cut short"),

@@ -12,7 +12,6 @@ import torch
 from ..config import KVConfig, kv_preset
 from ..errors import BackendUnavailableError
 from ..ops.pages import Pages, PagedView
-from ..quant import BlockFormat
 
 LLAMA3_8B = dict(heads=32, kv_heads=8, head_dim=128, layers=32)
 SMOLLM2 = dict(heads=9, kv_heads=3, head_dim=64, layers=30)
@@ -31,7 +30,7 @@ def synthetic_view(batch: int, context: int, kv_heads: int, head_dim: int, cfg: 
     g = torch.Generator(device="cpu").manual_seed(seed)
     tail = P // 2
     n_blocks = max(1, (context - tail) // P)
-    fmt = BlockFormat(*cfg.layer_bits(0), P, cfg.group_size, D, H, dtype, cfg.rotate)
+    fmt = cfg.block_format(0, D, H, dtype)
     n = batch * n_blocks
     pages = Pages(fmt)
     sized = torch.device(device).type == "meta"
@@ -46,7 +45,7 @@ def synthetic_view(batch: int, context: int, kv_heads: int, head_dim: int, cfg: 
         pages.k = rnd(n, H, P, D)
     else:
         pages.k_codes = codes(n, H, P, D * fmt.k_bits // 8)
-        pages.k_scale, pages.k_zero = rnd(n, H, D).abs() * 0.1, rnd(n, H, D)
+        pages.k_scale, pages.k_zero = rnd(n, H, fmt.k_groups, D).abs() * 0.1, rnd(n, H, fmt.k_groups, D)
     if fmt.v_bits == 16:
         pages.v = rnd(n, H, P, D)
     else:

@@ -18,7 +18,7 @@ class Pages:
     """One layer's pool of sealed blocks in one format.
 
     16-bit keys:   k       [N, H_kv, P, D]                    (else None)
-    quantized keys: k_codes [N, H_kv, P, D*k_bits/8] uint8, k_scale/k_zero [N, H_kv, D]
+    quantized keys: k_codes [N, H_kv, P, D*k_bits/8] uint8, k_scale/k_zero [N, H_kv, P/k_span, D]
     16-bit values: v       [N, H_kv, P, D]                    (else None)
     quantized values: v_codes [N, H_kv, P, D*v_bits/8] uint8, v_scale/v_zero [N, H_kv, P, D/group]
     Quantized parts hold rotated data when fmt.rotate.

@@ -25,6 +25,8 @@ CASES = [
     (1, 90, 2, 64, 16, dict(bits=16, v_bits=4)),
     (2, 50, 2, 64, 16, dict(bits=16)),
     (1, 120, 2, 128, 16, dict(bits=4, group_size=32, sink_blocks=0)),
+    (2, 300, 2, 128, 64, dict(bits=2, rotate=True, k_span=16)),  # K a scale row per 16 tokens
+    (1, 200, 2, 64, 64, dict(bits=4, k_span=32)),
 ]
 
 

@@ -44,12 +44,15 @@ CASES = [
     (1, 150, 4, 2, 64, 16, dict(bits=2, group_size=8), True, 2),  # int2 V words: a group's 2 bytes a sub-tile, one word
     (1, 150, 4, 2, 64, 16, dict(bits=2, rotate=True, group_size=4), False, 2),  # 1 byte a group: V stays on bytes
     (1, 200, 8, 2, 128, 16, dict(bits=2, rotate=True), True, 3),  # int2 K words in two dots a sub-tile (16 columns each)
+    (2, 300, 8, 2, 128, 64, dict(bits=2, rotate=True, k_span=16), True, 3),  # K a scale row per 16 tokens of a page of 64
+    (1, 300, 4, 2, 64, 128, dict(bits=4, k_span=32), False, 2),
 ]
 
 
 def case_id(c):
     B, T, Hq, Hkv, D, P, kw, pad, sp = c
     name = KVConfig(**kw).describe() + ("" if kw.get("sink_blocks", 1) else "-nosink") + (f"-g{kw['group_size']}" if "group_size" in kw else "")
+    name += f"-span{kw['k_span']}" if "k_span" in kw else ""
     return f"B{B}-T{T}-H{Hq}/{Hkv}-D{D}-P{P}-{name}" + ("-pad" if pad else "") + (f"-s{sp}" if sp else "")
 
 
@@ -277,6 +280,11 @@ def test_launch_fits_one_wave():
     k = K.compiled_kernel(plan, q, view)
     assert plan.summary["side"] == TUNE["side_short"] and k.metadata.num_warps == TUNE["side_short"]
     assert plan.grid[1] == 64 // TUNE["side_short"] and k.metadata.num_stages == TUNE["side_stages"]
+    # int2+rot (K's scales a span of 16 tokens): side_small tiles of 16 a step, on one warp
+    view = synthetic_view(1, 65536, 8, 128, KVConfig(bits=2, rotate=True, k_span=16), "cuda")
+    paged_attention(q, view, backend="triton")
+    plan = K.decode_plans(q, view)[-1]
+    assert plan.summary["side"] == TUNE["side_small"] and K.compiled_kernel(plan, q, view).metadata.num_warps == 1
 
 
 def _plain_inputs(case, dtype):
@@ -294,7 +302,7 @@ def _long(case, splits):
 
 # cases with pages of at most 4 bits a side and at most 64 tokens, which may go side by side
 SIDE_CASES = [_long(CASES[1], 1), _long(CASES[3], 2), _long(CASES[4], 2), _long(CASES[8], 1), _long(CASES[10], 1),
-              _long(CASES[11], 2)]
+              _long(CASES[11], 2), _long(CASES[17], 2)]
 
 
 @pytest.mark.parametrize("side", [1, 2])
@@ -307,6 +315,7 @@ def test_side_by_side_pages_within_budget(case, side, dtype, monkeypatch):
     budget, with padding, rotation, int2, GQA 3, V groups of 16 and 32, one split and merged
     splits."""
     monkeypatch.setitem(TUNE, "side", side)
+    monkeypatch.setitem(TUNE, "side_small", side)  # (pages of 16 tokens)
     plan = _within_budget(case, dtype)
     half = dtype != torch.float32
     assert plan.summary["side"] == side and plan.summary["k16"] == int(half) and plan.summary["v_transposed"] == half
@@ -320,13 +329,14 @@ def test_side_by_side_masks_padding_in_sealed_pages(side, kw, dtype, monkeypatch
     padding of a few tokens stays in the sink block): whole padded pages and one cut in the
     middle, in programs of several pages; a row without padding beside it."""
     monkeypatch.setitem(TUNE, "side", side)
+    monkeypatch.setitem(TUNE, "side_small", side)  # (pages of 16 tokens)
     plan = _within_budget((2, 300, 8, 2, 64, 16, kw, True, 3), dtype, starts=[0, 83])
     assert plan.summary["side"] == side
 
 
 TILE_CASES = [(2, 600, 8, 2, 64, 128, dict(bits=4), True, 2), (1, 700, 4, 1, 128, 256, dict(bits=4, group_size=32), False, 1),
               (2, 520, 9, 3, 64, 128, dict(bits=2, rotate=True), True, 3), (1, 400, 8, 2, 128, 128, dict(bits=8), False, 2),
-              (2, 600, 4, 2, 64, 256, dict(bits=4, k_bits=8), True, 1)]
+              (2, 600, 4, 2, 64, 256, dict(bits=4, k_bits=8), True, 1), (2, 400, 8, 2, 128, 64, dict(bits=2, rotate=True, k_span=16), True, 2)]
 
 
 @pytest.mark.parametrize("side", [1, 2])
@@ -337,6 +347,7 @@ def test_side_by_side_tiles_of_big_pages_within_budget(case, side, dtype, monkey
     page's K scales: the grid's budget with GQA 3 and 4, int2 with rotation, int8, k8v4, V
     groups of 32, left padding, one split and several."""
     monkeypatch.setitem(TUNE, "side", side)
+    monkeypatch.setitem(TUNE, "side_small", side)  # (pages of 16 tokens)
     monkeypatch.setitem(TUNE, "side_short", side)  # (programs of at most two pages)
     plan = _within_budget(case, dtype)
     assert plan.summary["side"] == side
@@ -349,6 +360,7 @@ def test_side_by_side_tiles_mask_padding(P, starts, side, dtype, monkeypatch):
     """Left padding that ends inside a sealed page's second or later tile (rows padded past
     the sink page), in programs of several pages, beside a row padded less."""
     monkeypatch.setitem(TUNE, "side", side)
+    monkeypatch.setitem(TUNE, "side_small", side)  # (pages of 16 tokens)
     monkeypatch.setitem(TUNE, "side_short", side)  # (programs of at most two pages)
     plan = _within_budget((2, 900, 8, 2, 64, P, dict(bits=4), True, 2), dtype, starts=starts)
     assert plan.summary["side"] == side
@@ -361,6 +373,8 @@ LOOP_TILES = [
     ((1, 300, 8, 2, 128, 64, dict(bits=16, k_bits=4), True, None), 32),
     ((1, 500, 4, 2, 64, 128, dict(bits=4, group_size=32), True, 3), 32),  # quantized pages (TUNE side 0)
     ((2, 260, 8, 2, 64, 64, dict(bits=2, rotate=True), False, 1), 16),
+    ((1, 300, 8, 2, 128, 64, dict(bits=2, rotate=True, k_span=16), True, 2), 32),  # a tile over two spans of K's scales
+    ((1, 300, 4, 2, 64, 64, dict(bits=4, k_span=16), False, 2), 16),  # a tile a span
 ]
 LOOP_STARTS = {1: [100, 0], 2: [40, 150]}  # (cases' indices in LOOP_TILES)
 
@@ -437,7 +451,8 @@ def test_side_by_side_int8_pages_within_budget(case, dtype):
     fp16 subnormals where the probe allows), V transposed for 16-bit inputs."""
     plan = _within_budget(case, dtype)
     half = dtype != torch.float32
-    assert plan.summary["side"] == TUNE["side"] and plan.summary["k16"] == int(half) and plan.summary["v_transposed"] == half
+    assert plan.summary["side"] == (TUNE["side_small"] if case[5] < 64 else TUNE["side"])  # (pages of 16: side_small)
+    assert plan.summary["k16"] == int(half) and plan.summary["v_transposed"] == half
 
 
 def test_tiny_probe_tells_exact_from_flushed_subnormals():
@@ -503,14 +518,16 @@ def test_side_rule(monkeypatch):
     pages with a 16-bit side take the 2-D loop, as every page does with side 0."""
     from longctx.quant import BlockFormat
 
-    def fmt(bits, k_bits=None, block=64):
-        cfg = KVConfig(bits=bits, k_bits=k_bits, block_size=block)
-        return BlockFormat(*cfg.layer_bits(0), block, cfg.group_size, 128, 8, torch.bfloat16, cfg.rotate)
+    def fmt(bits, k_bits=None, block=64, k_span=None):
+        cfg = KVConfig(bits=bits, k_bits=k_bits, block_size=block, k_span=k_span)
+        return BlockFormat(*cfg.layer_bits(0), block, cfg.group_size, 128, 8, torch.bfloat16, cfg.rotate, cfg.key_span)
 
     monkeypatch.setitem(TUNE, "side_short", 0)
     assert K.side_pages(fmt(4), short=False) == TUNE["side"]
     assert K.side_pages(fmt(4), short=True) == 0  # one or two pages a program: the 2-D loop
-    assert K.side_pages(fmt(2, block=16), short=False) == TUNE["side"]
+    # tiles of under 64 tokens (small pages, or K scale spans) go TUNE["side_small"] a step
+    assert K.side_pages(fmt(2, block=16), short=False) == K.side_pages(fmt(2, k_span=16), short=False) == TUNE["side_small"]
+    assert K.small_tiles(fmt(2, k_span=16)) and K.small_tiles(fmt(4, block=32)) and not K.small_tiles(fmt(4, block=128))
     assert K.side_pages(fmt(4, block=128), short=False) == K.side_pages(fmt(4, block=256), short=False) == TUNE["side"]
     monkeypatch.setitem(TUNE, "side_short", 2)
     assert K.side_pages(fmt(4), short=True) == 2 and K.side_pages(fmt(4), short=False) == TUNE["side"]
@@ -530,12 +547,14 @@ PREFILL_CASES = [
     (2, 130, 64, 4, 4, 64, 32, dict(bits=8)),
     (1, 150, 20, 9, 3, 64, 16, dict(bits=2, rotate=True)),
     (1, 40, 40, 4, 1, 128, 16, dict(bits=4)),  # the first chunk: nothing sealed yet
+    (1, 300, 40, 8, 2, 128, 64, dict(bits=2, rotate=True, k_span=16)),  # tiles over several spans of K's scales
 ]
 
 
 @pytest.mark.parametrize("path", ["kernel", "staged"])
 @pytest.mark.parametrize("dtype", dtypes(), ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-C{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-P{c[6]}-" + KVConfig(**c[7]).describe())
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-C{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-P{c[6]}-" + KVConfig(**c[7]).describe()
+                         + (f"-span{c[7]['k_span']}" if "k_span" in c[7] else ""))
 def test_triton_prefill_within_budget(case, dtype, path, monkeypatch):
     """Both prefill paths through paged_attention's dispatch (zero padding stays staged)."""
     B, T, C, Hq, Hkv, D, P, kw = case
@@ -625,7 +644,8 @@ def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
     reference and the fp64 oracle (one row left-padded past its first splits, whose partials
     see no key), as the grid holds the flat merge; the counters end at zero, and a second
     call gives the same bits."""
-    _tune(monkeypatch, {"merge": "kernel", "merge_tree": tree, "merge_tree_from": 0})
+    # (a page of 16 a step: the splits as asked, where side_small's steps of two would round 8 to 7)
+    _tune(monkeypatch, {"merge": "kernel", "merge_tree": tree, "merge_tree_from": 0, "side_small": 1})
     q, start, cache, k, v, cfg = _merge_case()
     view = _to(cache.view(0), DEVICE)
     out, lse = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), q.shape[-1]**-0.5, splits=splits)

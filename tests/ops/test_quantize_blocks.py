@@ -6,23 +6,32 @@ from longctx.ops.quantize_blocks import quantize_blocks
 from longctx.quant import BlockFormat, dequantize_v, hadamard_scale, hadamard_signs, quantize_k, rotate_to_seal, unpack_codes
 
 
-@pytest.mark.parametrize("kb, vb, rot", [(8, 8, False), (4, 4, False), (2, 2, True), (8, 4, False), (16, 4, False), (16, 16, False)],
-                         ids=["int8", "int4", "int2+rot", "k8v4", "k16v4", "bf16"])
-def test_quantize_blocks_matches_format(kb, vb, rot):
-    fmt = BlockFormat(kb, vb, 16, 32, 64, 2, torch.float32, rot)
+@pytest.mark.parametrize("kb, vb, rot, span", [(8, 8, False, 0), (4, 4, False, 0), (2, 2, True, 0), (8, 4, False, 0), (16, 4, False, 0),
+                                               (16, 16, False, 0), (2, 2, True, 16), (4, 4, False, 32)],
+                         ids=["int8", "int4", "int2+rot", "k8v4", "k16v4", "bf16", "int2+rot-span16", "int4-span32"])
+def test_quantize_blocks_matches_format(kb, vb, rot, span):
+    """Sealing gives quant.py's codes and scales; K a scale row per span (the page: one)."""
+    P = 64 if span else 16
+    fmt = BlockFormat(kb, vb, P, 32, 64, 2, torch.float32, rot, span)
     g = torch.Generator().manual_seed(kb + vb + rot)
-    k, v = torch.randn(5, 2, 16, 64, generator=g), torch.randn(5, 2, 16, 64, generator=g)
+    k, v = torch.randn(5, 2, P, 64, generator=g), torch.randn(5, 2, P, 64, generator=g)
     out = quantize_blocks(k, v, fmt)
     if kb == 16:
         assert torch.equal(out["k"], k)
     else:
-        ck, sk, zk = quantize_k(rotate_to_seal(k) if rot else k, kb, torch.float32)
+        kr = rotate_to_seal(k) if rot else k
+        ck, sk, zk = quantize_k(kr, kb, torch.float32, fmt.k_span)
         assert torch.equal(out["k_codes"], ck) and torch.equal(out["k_scale"], sk) and torch.equal(out["k_zero"], zk)
-        assert out["k_codes"].shape == (5, 2, 16, 64 * kb // 8)
+        assert out["k_codes"].shape == (5, 2, P, 64 * kb // 8) and sk.shape == (5, 2, P // fmt.k_span, 64)
+        # each span's range: its own tokens' min and max, per channel
+        spans = kr.double().reshape(5, 2, P // fmt.k_span, fmt.k_span, 64)
+        assert (zk.double() <= spans.amin(3)).all() and (zk.double() + sk.double() * (2**kb - 1) >= spans.amax(3)).all()
+        rec = dequantize_k_tensor(out, kb).reshape(spans.shape)
+        assert ((rec - spans).abs() <= sk.double().unsqueeze(-2) / 2 * (1 + 1e-6) + 1e-30).all()
     if vb == 16:
         assert torch.equal(out["v"], v)
     else:
-        assert out["v_scale"].shape == (5, 2, 16, 2)
+        assert out["v_scale"].shape == (5, 2, P, 2)
         stored = (rotate_to_seal(v) if rot else v).double()  # codes live in the rotated space
         step = out["v_scale"].double().repeat_interleave(32, -1)
         # each code the nearest level: reconstructed in fp64 (dequantize_v computes in fp32,
@@ -40,14 +49,16 @@ def test_quantize_blocks_validates_shapes():
         quantize_blocks(torch.randn(1, 2, 16, 64), torch.randn(1, 2, 16, 64), fmt, backend="triton9")
 
 
-TRITON_FORMATS = [(8, 8, False), (4, 4, False), (2, 2, True), (8, 4, False), (16, 4, False), (4, 16, False),
-                  (8, 8, True), (4, 4, True), (8, 2, True), (16, 2, True), (4, 16, True)]
-TRITON_IDS = ["int8", "int4", "int2+rot", "k8v4", "k16v4", "k4v16", "int8+rot", "int4+rot", "k8v2+rot", "k16v2+rot", "k4v16+rot"]
+TRITON_FORMATS = [(8, 8, False, 0), (4, 4, False, 0), (2, 2, True, 0), (8, 4, False, 0), (16, 4, False, 0), (4, 16, False, 0),
+                  (8, 8, True, 0), (4, 4, True, 0), (8, 2, True, 0), (16, 2, True, 0), (4, 16, True, 0), (2, 2, True, 16), (4, 4, False, 16),
+                  (8, 2, True, 16)]
+TRITON_IDS = ["int8", "int4", "int2+rot", "k8v4", "k16v4", "k4v16", "int8+rot", "int4+rot", "k8v2+rot", "k16v2+rot", "k4v16+rot",
+              "int2+rot-P64-span16", "int4-P64-span16", "k8v2+rot-P64-span16"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("kb, vb, rot", TRITON_FORMATS, ids=TRITON_IDS)
-def test_triton_quantize_matches_reference(kb, vb, rot, dtype):
+@pytest.mark.parametrize("kb, vb, rot, span", TRITON_FORMATS, ids=TRITON_IDS)
+def test_triton_quantize_matches_reference(kb, vb, rot, span, dtype):
     pytest.importorskip("triton")
     from longctx.ops.quantize_blocks.reference import quantize_blocks_reference
     from longctx.ops.quantize_blocks.triton import quantize_blocks_triton
@@ -56,8 +67,9 @@ def test_triton_quantize_matches_reference(kb, vb, rot, dtype):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the interpreter's bf16 is not faithful; bf16 runs on the GPU")
-    fmt = BlockFormat(kb, vb, 16, 32, 64, 2, dtype, rot)
-    k, v = random_kv(3, 2, 16, 64, dtype=dtype, seed=kb + vb)
+    P = 64 if span else 16
+    fmt = BlockFormat(kb, vb, P, 32, 64, 2, dtype, rot, span)
+    k, v = random_kv(3, 2, P, 64, dtype=dtype, seed=kb + vb)
     k[1, 0] = 2.5  # a constant block: scale 0, exact
     ref = quantize_blocks_reference(k, v, fmt)  # on the CPU: a rotated block seals alike on any device
     got = {n: t.cpu() for n, t in quantize_blocks_triton(k.to(device), v.to(device), fmt).items()}
@@ -69,7 +81,7 @@ def test_triton_quantize_matches_reference(kb, vb, rot, dtype):
     if kb != 16:
         rec = dequantize_k_tensor(got, kb)
         kr = (rotate_to_seal(k) if rot else k).double()
-        step = got["k_scale"].double().unsqueeze(-2)
+        step = got["k_scale"].double().repeat_interleave(fmt.k_span, -2)
         assert ((rec - kr).abs() <= step / 2 * (1 + 1e-6) + 1e-30).all()
         assert (got["k_scale"][1, 0] == 0).all()
     if vb != 16:
@@ -80,8 +92,9 @@ def test_triton_quantize_matches_reference(kb, vb, rot, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("kb, vb, P, D", [(4, 4, 64, 128), (2, 2, 256, 64), (8, 2, 64, 128)], ids=["int4-P64-D128", "int2-P256-D64", "k8v2-P64-D128"])
-def test_triton_rotated_seal_of_whole_blocks(kb, vb, P, D, dtype):
+@pytest.mark.parametrize("kb, vb, P, D, span", [(4, 4, 64, 128, 0), (2, 2, 256, 64, 0), (8, 2, 64, 128, 0), (2, 2, 64, 128, 16)],
+                         ids=["int4-P64-D128", "int2-P256-D64", "k8v2-P64-D128", "int2-P64-D128-span16"])
+def test_triton_rotated_seal_of_whole_blocks(kb, vb, P, D, span, dtype):
     """Rotated blocks of the sizes the cache seals (a rotated program holds the whole block, on
     more warps as blocks grow): the reference's bits, in a pool at slots, from strided views."""
     pytest.importorskip("triton")
@@ -93,7 +106,7 @@ def test_triton_rotated_seal_of_whole_blocks(kb, vb, P, D, dtype):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the interpreter's bf16 is not faithful; bf16 runs on the GPU")
-    fmt = BlockFormat(kb, vb, P, 32, D, 2, dtype, True)
+    fmt = BlockFormat(kb, vb, P, 32, D, 2, dtype, True, span)
     tail_k, tail_v = random_kv(2, 2, 2 * P, D, dtype=dtype, seed=P + D)
     k = torch.stack([tail_k[1, :, P:], tail_k[0, :, :P]])  # views into a tail, as the cache seals
     v = torch.stack([tail_v[1, :, P:], tail_v[0, :, :P]])

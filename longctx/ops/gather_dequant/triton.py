@@ -37,19 +37,22 @@ def _code_f32(x, r: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _scaled(code, SCALE, ZERO, bh, offs_p, chan, P: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr,
-            PER_TOKEN: tl.constexpr):
+            PER_TOKEN: tl.constexpr, KG: tl.constexpr):
     """code [P, len(chan)] (fp32) * scale + zero of the block's channels `chan`."""
     if PER_TOKEN:  # V: [N, H, P, D/GS], group of channel c is c // GS
         sc_off = bh * P * NG + offs_p[:, None] * NG + (chan // GS)[None, :]
         return code * tl.load(SCALE + sc_off).to(tl.float32) + tl.load(ZERO + sc_off).to(tl.float32)
-    else:  # K: [N, H, D], per channel
+    elif KG == P:  # K: [N, H, 1, D], per channel
         return code * tl.load(SCALE + bh * D + chan).to(tl.float32)[None, :] + tl.load(ZERO + bh * D + chan).to(tl.float32)[None, :]
+    else:  # K: [N, H, P / KG, D], per channel and span of KG tokens
+        sc_off = (bh * (P // KG) + offs_p[:, None] // KG) * D + chan[None, :]
+        return code * tl.load(SCALE + sc_off).to(tl.float32) + tl.load(ZERO + sc_off).to(tl.float32)
 
 
 @triton.jit
 def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, out_rows, keep,
           H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-          PER_TOKEN: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr):
+          PER_TOKEN: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr, KG: tl.constexpr):
     """One side (K or V) of one block: copy a sink or 16-bit page, or dequantize codes. keep:
     [P, 1] mask of the rows to store, or None (all)."""
     offs_d = tl.arange(0, D)
@@ -73,13 +76,13 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
             amax = 0.0
             for r in tl.static_range(PER):
                 chan = PER * offs_s + r  # channels of sub-tile r
-                val = _scaled(_code_f32(x, r, BITS), SCALE, ZERO, bh, offs_p, chan, P, D, NG, GS, PER_TOKEN)
+                val = _scaled(_code_f32(x, r, BITS), SCALE, ZERO, bh, offs_p, chan, P, D, NG, GS, PER_TOKEN, KG)
                 amax = tl.maximum(amax, tl.max(tl.abs(val)))
             up = pow2_into_f16(amax)
             acc = tl.zeros((P, D), tl.float32)
             for r in tl.static_range(PER):
                 chan = PER * offs_s + r
-                val = _scaled(_code_f32(x, r, BITS), SCALE, ZERO, bh, offs_p, chan, P, D, NG, GS, PER_TOKEN) * up
+                val = _scaled(_code_f32(x, r, BITS), SCALE, ZERO, bh, offs_p, chan, P, D, NG, GS, PER_TOKEN, KG) * up
                 signs = tl.load(HMAT + chan[:, None] * D + offs_d[None, :])  # fp16 +-1
                 acc = dot_signs(val, signs, acc)  # (fp16 head + tail)
             tl.store(OUT + out_rows + offs_d[None, :], (acc * (INV_SQRT_D / up)).to(OUT.dtype.element_ty), mask=keep)
@@ -93,7 +96,7 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
                 code = tl.reshape(tl.join(code, _code_f32(x, 1, BITS)), (P, D))
             elif PER == 4:  # join(join(c0, c2), join(c1, c3)): [P, DS, 2, 2], index 2a + c is r
                 code = tl.reshape(tl.join(tl.join(code, _code_f32(x, 2, BITS)), tl.join(_code_f32(x, 1, BITS), _code_f32(x, 3, BITS))), (P, D))
-            val = _scaled(code, SCALE, ZERO, bh, offs_p, offs_d, P, D, NG, GS, PER_TOKEN)
+            val = _scaled(code, SCALE, ZERO, bh, offs_p, offs_d, P, D, NG, GS, PER_TOKEN, KG)
             tl.store(OUT + out_rows + offs_d[None, :], val.to(OUT.dtype.element_ty), mask=keep)
 
 
@@ -101,7 +104,7 @@ def _side(SINK, DENSE, CODES, SCALE, ZERO, HMAT, OUT, blk, h, is_sink, offs_p, o
 def _gather_kernel(TABLE, SHIFT, SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ, HMAT, OK, OV,
                    stride_tb, s_ob, s_oh, s_ot, n_sink,
                    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                   GS: tl.constexpr, ROTATE: tl.constexpr, HAS_SHIFT: tl.constexpr, INV_SQRT_D: tl.constexpr):
+                   GS: tl.constexpr, ROTATE: tl.constexpr, HAS_SHIFT: tl.constexpr, INV_SQRT_D: tl.constexpr, KG: tl.constexpr):
     pid = tl.program_id(0)
     j = tl.program_id(1)
     b = pid // H
@@ -117,8 +120,8 @@ def _gather_kernel(TABLE, SHIFT, SINK_K, SINK_V, KD, VD, KC, KS, KZ, VC, VS, VZ,
         keep = None
     rows = b * s_ob + h * s_oh + t[:, None] * s_ot
     is_sink = j < n_sink
-    _side(SINK_K, KD, KC, KS, KZ, HMAT, OK, blk, h, is_sink, offs_p, rows, keep, H, D, P, K_BITS, GS, False, ROTATE, INV_SQRT_D)
-    _side(SINK_V, VD, VC, VS, VZ, HMAT, OV, blk, h, is_sink, offs_p, rows, keep, H, D, P, V_BITS, GS, True, ROTATE, INV_SQRT_D)
+    _side(SINK_K, KD, KC, KS, KZ, HMAT, OK, blk, h, is_sink, offs_p, rows, keep, H, D, P, K_BITS, GS, False, ROTATE, INV_SQRT_D, KG)
+    _side(SINK_V, VD, VC, VS, VZ, HMAT, OV, blk, h, is_sink, offs_p, rows, keep, H, D, P, V_BITS, GS, True, ROTATE, INV_SQRT_D, KG)
 
 
 def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Tensor, shift: torch.Tensor | None = None) -> None:
@@ -144,5 +147,5 @@ def gather_dequant_triton(view: PagedView, out_k: torch.Tensor, out_v: torch.Ten
         table, shift if shift is not None else table, view.sink_k, view.sink_v, KD, VD, KC, KS, KZ, VC, VS, VZ, hmat, out_k, out_v,
         table.stride(0), out_k.stride(0), out_k.stride(1), out_k.stride(2), min(view.n_sink, n),
         H=H, D=D, P=P, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits, GS=fmt.group_size, ROTATE=fmt.rotate, HAS_SHIFT=shift is not None,
-        INV_SQRT_D=hadamard_scale(D), num_warps=4, **TRITON_OPTIONS,
+        INV_SQRT_D=hadamard_scale(D), KG=fmt.k_span, num_warps=4, **TRITON_OPTIONS,
     )

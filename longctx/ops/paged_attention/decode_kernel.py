@@ -49,7 +49,7 @@ def decode_kernel(
     DENSE: tl.constexpr = 0, ZERO_DOT: tl.constexpr = False, SKIP: tl.constexpr = False, MASK: tl.constexpr = True,
     TREE: tl.constexpr = 0, TINY_CODES: tl.constexpr = False, TAIL_DEV: tl.constexpr = False,
     BLOCKS_DEV: tl.constexpr = False, R: tl.constexpr = 1, INV_SQRT_D: tl.constexpr = 1.0, PTX: tl.constexpr = False,
-    TD: tl.constexpr = 0,
+    TD: tl.constexpr = 0, KG: tl.constexpr = 0,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
     scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
@@ -110,7 +110,7 @@ def decode_kernel(
     trow = TABLE + b * R * stride_tb  # (with R > 1 the group's first row: its rows hold these blocks alike)
     ids = j0
     if SIDE_PAGES > 0:
-        TILES: tl.constexpr = P // _side_tile(P)  # the side loop's tiles a page
+        TILES: tl.constexpr = P // _side_tile(P, KG)  # the side loop's tiles a page
         ids = _side_ids(trow, j0 * TILES, j1, SIDE_PAGES, TILES)
     if R > 1:  # query g of the program: row b * R + g // G's head h * G + g % G
         qoffs = (b * R + offs_g // G) * stride_qb + (h * G + offs_g % G) * stride_qh
@@ -153,7 +153,7 @@ def decode_kernel(
             KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, s_side,
             qp0, qp1, qp2, qp3, m_i, l_i, a0, a1, a2, a3, r0, r1, r2, r3,
             H, G_PAD, D, P, K_BITS, V_BITS, GS, ROTATE, DOT, PREC, K16, V16, KDT, ASM, K_SUB, V_SUB, SIDE_PAGES, V_TRANSPOSED,
-            ZERO_DOT, MASK, TINY_CODES)
+            ZERO_DOT, MASK, TINY_CODES, KG)
     else:
         TT: tl.constexpr = P if TD == 0 else TD  # tokens a step
         RD: tl.constexpr = P // TT  # steps a page: step u reads tokens (u % RD) * TT .. of block u // RD
@@ -164,8 +164,8 @@ def decode_kernel(
             blk = nxt.to(tl.int64)
             nxt = step_id(trow, (u + 1) // RD, j1)
             i_t = (u % RD) * TT + offs_i  # the step's tokens in its page
-            s = page_scores(KD, KC, KS, KZ, blk * H + h, qp, qp0, qp1, qp2, qp3, i_t, offs_d, offs_k,
-                            D, P, DK, K_SUB, K_BITS, DOT, PREC, K16, ASM, KDT)
+            s = page_scores(KD, KC, KS, KZ, blk * H + h, (u % RD) * TT, qp, qp0, qp1, qp2, qp3, i_t, offs_d, offs_k,
+                            D, P, DK, K_SUB, K_BITS, DOT, PREC, K16, ASM, KDT, KG)
             s = tl.where((j * P + i_t)[None, :] >= s_rows, s, float("-inf"))
             m_i, l_i, p, alpha = softmax_step(s, m_i, l_i)
             pv, v0, v1, v2, v3 = page_values(VD, VC, VS, VZ, (blk * H + h) * P + i_t, i_t >= 0, p, offs_v, D, DV, V_SUB, NG, GS, V_BITS,
@@ -317,9 +317,10 @@ SIDE_TILE = 64  # tokens a step of the side loop takes at most: larger pages go 
 
 
 @triton.constexpr_function
-def _side_tile(P):
-    """Tokens a tile of the side loop, for pages of P tokens (a page is P // _side_tile(P) tiles)."""
-    return min(P, SIDE_TILE)
+def _side_tile(P, KG=0):
+    """Tokens a tile of the side loop, for pages of P tokens whose K scale rows cover KG tokens
+    (0: the page): at most SIDE_TILE and one span (a page is P // _side_tile(P, KG) tiles)."""
+    return min(P, SIDE_TILE, KG or P)
 
 
 @triton.jit
@@ -338,7 +339,7 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, s_side, qp0, qp1,
                  V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                  K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr, ASM: tl.constexpr, K_SUB: tl.constexpr,
                  V_SUB: tl.constexpr, SIDE_PAGES: tl.constexpr, V_TRANSPOSED: tl.constexpr, ZERO_DOT: tl.constexpr, MASK: tl.constexpr,
-                 TINY_CODES: tl.constexpr = False):
+                 TINY_CODES: tl.constexpr = False, KG: tl.constexpr = 0):
     """The sealed (quantized) blocks j0 .. j1 - 1 of a row's table (trow; ids [SIDE_PAGES]: the block
     ids of the first step), SIDE_PAGES tiles of at most 64 tokens side by side a step (tiles.py's
     side_*; a page of P > 64 tokens is P // 64 tiles, which share its K scales): each keeps its
@@ -354,7 +355,7 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, s_side, qp0, qp1,
     DK: tl.constexpr = D // K_SUB
     DV: tl.constexpr = D // V_SUB
     NG: tl.constexpr = D // GS
-    T: tl.constexpr = _side_tile(P)  # tokens a tile
+    T: tl.constexpr = _side_tile(P, KG)  # tokens a tile (within one span of K's scales)
     R: tl.constexpr = P // T  # tiles a page
     offs_w = tl.arange(0, SIDE_PAGES)
     offs_p = tl.arange(0, T)
@@ -381,7 +382,7 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, s_side, qp0, qp1,
         sub = ((u + offs_w) % R) * T  # the tile's first token in its page (R > 1)
         ids = _side_ids(trow, u + SIDE_PAGES, j1, SIDE_PAGES, R)
         s = side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k, D, T, DK, K_SUB, K_BITS, DOT, PREC, K16, ASM, KDT, P,
-                         TINY_CODES)
+                         TINY_CODES, KG)
         if MASK:
             tile = u + offs_w  # the tile's first token is the row's token tile * T
             keep = (tile < j1 * R)[:, None, None] & ((tile[:, None] * T + offs_p[None, :])[:, None, :] >= s_side)

@@ -71,7 +71,7 @@ def _prefill_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GS: tl.constexpr, ROTATE: tl.constexpr,
     HAS_START: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, V16: tl.constexpr, KDT: tl.constexpr,
     ASM: tl.constexpr, K_SUB: tl.constexpr, V_SUB: tl.constexpr, INV_SQRT_D: tl.constexpr = 1.0, PTX: tl.constexpr = False,
-    TP: tl.constexpr = 0,
+    TP: tl.constexpr = 0, KG: tl.constexpr = 0,
 ):
     """Prefill chunks over the quantized pages, no bf16 copy of the past: the decode kernel's
     page walk with M rows = BT query tokens x the G query heads of one KV head (token-major,
@@ -82,7 +82,8 @@ def _prefill_kernel(
     [B, H*G, C, n_splits] (natural log), each split normalized on its own. Rotated pages as in
     decode: the program rotates its queries and its sealed pages' share back. A step reads a tile
     of TP tokens of a page (0: the whole page): tile u holds tokens u * TP .. u * TP + TP - 1
-    of the view, of page u // R; its K scales are the page's, read again for each tile. Tiles
+    of the view, of page u // R; its K scales are its span's (KG tokens; 0: the page's), read again
+    for each tile. Tiles
     keep the kernel within a consumer card's shared memory over pages of 256 tokens."""
     TT: tl.constexpr = P if TP == 0 else TP  # tokens a step
     R: tl.constexpr = P // TT  # tiles a page
@@ -140,8 +141,8 @@ def _prefill_kernel(
         blk0 = n0.to(tl.int64)
         n0 = step_id(trow, (u + 1) // R, j1)
         offs_t = (u % R) * TT + offs_p  # the tile's tokens in its page
-        s = page_scores(KD, KC, KS, KZ, blk0 * H + h, qp, qp0, qp1, qp2, qp3, offs_t, offs_d, offs_k,
-                         D, P, DK, K_SUB, K_BITS, DOT, PREC, K16, ASM, KDT)
+        s = page_scores(KD, KC, KS, KZ, blk0 * H + h, (u % R) * TT, qp, qp0, qp1, qp2, qp3, offs_t, offs_d, offs_k,
+                         D, P, DK, K_SUB, K_BITS, DOT, PREC, K16, ASM, KDT, KG)
         s = tl.where((u * TT + offs_p >= start)[None, :], s, float("-inf"))
         m_i, l_i, p, alpha = softmax_step(s, m_i, l_i)
         row = (blk0 * H + h) * P + offs_t

@@ -118,11 +118,14 @@ def _k_scales(KS, KZ, ksw, kzw, chan, mask, r: tl.constexpr, W16: tl.constexpr):
 
 
 @triton.jit
-def page_scores(KD, KC, KS, KZ, bh, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
+def page_scores(KD, KC, KS, KZ, bh, t0, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs_k,
                  D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, K_SUB: tl.constexpr, K_BITS: tl.constexpr,
-                 DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr):
-    """Base-2 scores [G_PAD, T] of a page at its tokens offs_p [T] (pool row bh = block * H +
-    head, pages of P tokens). Quantized K:
+                 DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr,
+                 KG: tl.constexpr = 0):
+    """Base-2 scores [G_PAD, T] of a page at its tokens offs_p [T], t0 .. t0 + T - 1 (pool row
+    bh = block * H + head, pages of P tokens, K's scale rows a span of KG tokens; 0: the page).
+    A tile within one span takes that span's scale row; a tile over several (KG < T) dequantizes
+    K a token's span at a time (K16 3 in KDT, else in fp32 rounded into DOT). Quantized K:
     K16 == 3 dequantizes sub-tile r in KDT (fp16, or bf16 for codes < 128 with bf16 scales:
     codes * s + z, one FMA per two values) and dots it with the fixed KDT query qp_r; 0 and 2
     fold the per-channel scales into the query instead, (q*s)_r . codes_r (0: fp32 codes
@@ -142,16 +145,34 @@ def page_scores(KD, KC, KS, KZ, bh, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs
         # their latency was the kernel's largest stall), split into sub-tiles by shifts
         DT: tl.constexpr = KS.dtype.element_ty
         W16: tl.constexpr = DT.primitive_bitwidth == 16
+        SPAN: tl.constexpr = P if KG == 0 else KG
+        T: tl.constexpr = offs_p.shape[0]
+        if SPAN >= T:  # one scale row: the tile's span's
+            srow = bh * (P // SPAN) + t0 // SPAN
+            ks_idx = srow * DK + offs_k
+            ks_chan = srow * D + K_SUB * offs_k
+            kmask = km
+        else:  # a scale row a token: [T, DK]
+            srow = bh * (P // SPAN) + offs_p // SPAN
+            ks_idx = srow[:, None] * DK + offs_k[None, :]
+            ks_chan = srow[:, None] * D + K_SUB * offs_k[None, :]
+            kmask = ks_idx >= 0
         ksw = xk  # (unused unless W16)
         kzw = xk
         if W16:
-            ksw = _words16(KS, bh * DK + offs_k, km, K_SUB)
-            kzw = _words16(KZ, bh * DK + offs_k, km, K_SUB)
+            ksw = _words16(KS, ks_idx, kmask, K_SUB)
+            kzw = _words16(KZ, ks_idx, kmask, K_SUB)
         zq = tl.zeros((qp.shape[0],), tl.float32)  # q . z (K16 < 3)
         for r in tl.static_range(K_SUB):
             qr = pick_subtile(qp0, qp1, qp2, qp3, r)
-            sr, zr = _k_scales(KS, KZ, ksw, kzw, bh * D + K_SUB * offs_k, km, r, W16)
-            if K16 == 3:  # K dequantized in KDT against the fixed KDT query
+            sr, zr = _k_scales(KS, KZ, ksw, kzw, ks_chan, kmask, r, W16)
+            if SPAN < T:  # K dequantized a token's span at a time
+                if K16 == 3:
+                    s += tl.dot(qr, tl.trans(codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT) + zr.to(KDT)))
+                else:
+                    kf = f32_codes(xk, r, K_BITS) * sr.to(tl.float32) + zr.to(tl.float32)
+                    s += tl.dot(qr.to(DOT), tl.trans(kf.to(DOT)), input_precision=PREC)
+            elif K16 == 3:  # K dequantized in KDT against the fixed KDT query
                 s += tl.dot(qr, tl.trans(codes16(xk, r, K_BITS, ASM, KDT) * sr.to(KDT)[None, :] + zr.to(KDT)[None, :]))
             elif K16 == 4:  # K dequantized in fp32, rounded once into DOT, against the fixed DOT query
                 kf = f32_codes(xk, r, K_BITS) * sr.to(tl.float32)[None, :] + zr.to(tl.float32)[None, :]
@@ -163,7 +184,7 @@ def page_scores(KD, KC, KS, KZ, bh, qp, qp0, qp1, qp2, qp3, offs_p, offs_d, offs
                     s += tl.dot(qs.to(tl.float16), tl.trans(f16_codes(xk, r, K_BITS, ASM)))
                 else:
                     s += tl.dot(qs.to(DOT), tl.trans(f32_codes(xk, r, K_BITS).to(DOT)), input_precision=PREC)
-        if K16 < 3:
+        if K16 < 3 and SPAN >= T:
             s += zq[:, None]
     return s
 
@@ -377,10 +398,10 @@ def _side_rows(bh, sub, offs_p, P: tl.constexpr, PS: tl.constexpr):
 def side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
                  D: tl.constexpr, P: tl.constexpr, DK: tl.constexpr, K_SUB: tl.constexpr, K_BITS: tl.constexpr,
                  DOT: tl.constexpr, PREC: tl.constexpr, K16: tl.constexpr, ASM: tl.constexpr, KDT: tl.constexpr,
-                 PS: tl.constexpr = 0, TINY_CODES: tl.constexpr = False):
+                 PS: tl.constexpr = 0, TINY_CODES: tl.constexpr = False, KG: tl.constexpr = 0):
     """Base-2 scores [W, G_PAD, P] of the quantized pages at pool rows bh [W] (block * H +
     head), or with PS > P of their P-token tiles starting `sub` [W] tokens into pages of PS
-    (which share the page's K scales), against the query sub-tiles, transposed and broadcast
+    (each within one span of KG tokens, whose K scale row it takes; KG 0: the page), against the query sub-tiles, transposed and broadcast
     over W (q30..q33 [W, DK, G_PAD]), computed transposed (K·Qᵀ: the page's codes are the dot's first operand, the few
     query rows the second, which the tensor cores pad to 8 columns where a first operand pads
     to 16 rows). K16 == 1 folds K's per-channel scales into the fp32 query, (q*s)_r rounded to
@@ -408,9 +429,14 @@ def side_scores(KC, KS, KZ, bh, sub, q30, q31, q32, q33, offs_p, offs_k,
     # bytes' 8j + 4 apart: chan_hi, ksw_hi, kzw_hi)
     step: tl.constexpr = 2 if HALF else 1
     offs_c = tl.arange(0, DK // step)
-    chan = bh[:, None] * D + K_SUB * step * offs_c[None, :]
+    PG: tl.constexpr = PS if PS > P else P  # tokens a page
+    SPAN: tl.constexpr = PG if KG == 0 else KG
+    srow = bh  # the tiles' K scale rows [W]
+    if SPAN < PG:
+        srow = bh * (PG // SPAN) + sub // SPAN
+    chan = srow[:, None] * D + K_SUB * step * offs_c[None, :]
     chan_hi = chan + 4
-    idx = bh[:, None] * DK + step * offs_c[None, :]
+    idx = srow[:, None] * DK + step * offs_c[None, :]
     ksw = xk
     kzw = xk
     ksw_hi = xk

@@ -13,7 +13,7 @@ def quantize_blocks_reference(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat
         out["k"] = k.to(fmt.dtype)
     else:
         kq = rotate_to_seal(k) if fmt.rotate else k
-        out["k_codes"], out["k_scale"], out["k_zero"] = quantize_k(kq, fmt.k_bits, fmt.dtype)
+        out["k_codes"], out["k_scale"], out["k_zero"] = quantize_k(kq, fmt.k_bits, fmt.dtype, fmt.k_span)
     if fmt.v_bits == 16:
         out["v"] = v.to(fmt.dtype)
     else:

@@ -114,14 +114,15 @@ def _quantize_kernel(
     K, V, KC, KS, KZ, VC, VS, VZ, IDS,
     s_x_n, s_x_h, s_x_p,
     s_kc_n, s_kc_h, s_kc_p,
-    s_ks_n, s_ks_h,
+    s_ks_n, s_ks_h, s_ks_g,
     s_vc_n, s_vc_h, s_vc_p,
     s_vs_n, s_vs_h, s_vs_p,
-    H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
+    H: tl.constexpr, P: tl.constexpr, D: tl.constexpr, GS: tl.constexpr, KG: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, SDT: tl.constexpr, BITS16: tl.constexpr, HAS_IDS: tl.constexpr,
     ROT: tl.constexpr, SCALE: tl.constexpr,
 ):
-    """Block n of the input is written at output row IDS[n] (pool slots) with HAS_IDS, else n."""
+    """Block n of the input is written at output row IDS[n] (pool slots) with HAS_IDS, else n.
+    K's scales and zeros: a row per span of KG tokens (P // KG of them, stride s_ks_g)."""
     pid = tl.program_id(0)
     n = pid // H
     h = pid % H
@@ -138,15 +139,26 @@ def _quantize_kernel(
         k0, k1, k2, k3 = _no_planes(P, DK)
         if ROT:
             k0, k1, k2, k3 = _rotated_planes(K, xb, s_x_p, P, K_SUB, DK, SCALE)
+        S: tl.constexpr = P // KG  # scale rows a block
         packed = tl.zeros((P, DK), tl.uint8)
         for r in tl.static_range(K_SUB):
             ch = r + K_SUB * offs_i
             x = _plane(K, xb, s_x_p, r, P, K_SUB, DK, ROT, k0, k1, k2, k3)
-            s, z = _range_to_scale(tl.min(x, 0), tl.max(x, 0), QK, SDT, BITS16)
-            sb = o * s_ks_n + h * s_ks_h + ch
-            tl.store(KS + sb, s)
-            tl.store(KZ + sb, z)
-            packed = packed | (_codes(x, s[None, :], z[None, :], QK) << (r * K_BITS))
+            if S == 1:
+                s, z = _range_to_scale(tl.min(x, 0), tl.max(x, 0), QK, SDT, BITS16)
+                sb = o * s_ks_n + h * s_ks_h + ch
+                tl.store(KS + sb, s)
+                tl.store(KZ + sb, z)
+                packed = packed | (_codes(x, s[None, :], z[None, :], QK) << (r * K_BITS))
+            else:
+                xs = tl.reshape(x, (S, KG, DK))
+                s, z = _range_to_scale(tl.min(xs, 1), tl.max(xs, 1), QK, SDT, BITS16)  # [S, DK]
+                sb = o * s_ks_n + h * s_ks_h + tl.arange(0, S)[:, None] * s_ks_g + ch[None, :]
+                tl.store(KS + sb, s)
+                tl.store(KZ + sb, z)
+                st = tl.reshape(tl.broadcast_to(s[:, None, :], (S, KG, DK)), (P, DK))
+                zt = tl.reshape(tl.broadcast_to(z[:, None, :], (S, KG, DK)), (P, DK))
+                packed = packed | (_codes(x, st, zt, QK) << (r * K_BITS))
         tl.store(KC + o * s_kc_n + h * s_kc_h + offs_p[:, None] * s_kc_p + offs_i[None, :], packed)
     if V_BITS < 16:
         V_SUB: tl.constexpr = 8 // V_BITS
@@ -194,8 +206,8 @@ def quantize_blocks_triton(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, c
     dev, dt = k.device, fmt.dtype
     if fmt.k_bits != 16:
         out["k_codes"] = torch.empty(N, H, P, D * fmt.k_bits // 8, dtype=torch.uint8, device=dev)
-        out["k_scale"] = torch.empty(N, H, D, dtype=dt, device=dev)
-        out["k_zero"] = torch.empty(N, H, D, dtype=dt, device=dev)
+        out["k_scale"] = torch.empty(N, H, fmt.k_groups, D, dtype=dt, device=dev)
+        out["k_zero"] = torch.empty(N, H, fmt.k_groups, D, dtype=dt, device=dev)
     if fmt.v_bits != 16:
         out["v_codes"] = torch.empty(N, H, P, D * fmt.v_bits // 8, dtype=torch.uint8, device=dev)
         out["v_scale"] = torch.empty(N, H, P, D // fmt.group_size, dtype=dt, device=dev)
@@ -235,16 +247,16 @@ def _launch(k: torch.Tensor, v: torch.Tensor, fmt: BlockFormat, out: dict, ids: 
     else:
         kq, vq = k.contiguous(), v.contiguous()
     u8, f = placeholders(k.device, fmt.dtype)  # for a 16-bit side, shaped for its strides
-    KC, KS, KZ = (out["k_codes"], out["k_scale"], out["k_zero"]) if fmt.k_bits != 16 else (u8.view(1, 1, 1), f.view(1, 1), f.view(1, 1))
+    KC, KS, KZ = (out["k_codes"], out["k_scale"], out["k_zero"]) if fmt.k_bits != 16 else (u8.view(1, 1, 1), f.view(1, 1, 1), f.view(1, 1, 1))
     VC, VS, VZ = (out["v_codes"], out["v_scale"], out["v_zero"]) if fmt.v_bits != 16 else (u8.view(1, 1, 1), f.view(1, 1, 1), f.view(1, 1, 1))
     _quantize_kernel[(N * fmt.num_kv_heads,)](
         kq, vq, KC, KS, KZ, VC, VS, VZ, ids if ids is not None else u8,
         kq.stride(0), kq.stride(1), kq.stride(2),
         KC.stride(0), KC.stride(1), KC.stride(2),
-        KS.stride(0), KS.stride(1),
+        KS.stride(0), KS.stride(1), KS.stride(2),
         VC.stride(0), VC.stride(1), VC.stride(2),
         VS.stride(0), VS.stride(1), VS.stride(2),
-        H=fmt.num_kv_heads, P=fmt.block_size, D=fmt.head_dim, GS=fmt.group_size, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
+        H=fmt.num_kv_heads, P=fmt.block_size, D=fmt.head_dim, GS=fmt.group_size, KG=fmt.k_span, K_BITS=fmt.k_bits, V_BITS=fmt.v_bits,
         SDT=_SDT[fmt.dtype], BITS16=fmt.dtype != torch.float32, HAS_IDS=ids is not None,
         ROT=fmt.rotate, SCALE=hadamard_scale(fmt.head_dim) if fmt.rotate else 1.0,
         num_warps=min(16, max(4, fmt.block_size * fmt.head_dim // 512)) if fmt.rotate else 4, **TRITON_OPTIONS,
