@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .config import KVConfig
+from .config import KVConfig, bits_format
 from .errors import LongCtxError, ModelNotFoundError
 from .quant import page_bytes
 
@@ -276,9 +276,6 @@ class Plan:
         return d
 
 
-FORMAT_PRESETS = {16: {"bits": 16}, 8: {"bits": 8}, 4: {"bits": 4}, 2: {"bits": 2, "rotate": True}}
-
-
 def pcie_gbps(gpu: str | None) -> float:
     """The pinned host-to-device GB/s plan assumes for a catalog card (PCIE_GBPS by its
     generation and lanes), or for an unnamed budget (DEFAULT_PCIE, x16)."""
@@ -299,10 +296,8 @@ def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16,
     out = Plan(shape.name, shape.param_count(), weights_bits, batch, block_size, prefill_chunk, shape.max_context, budget,
                host_gib=host_gib, pcie_gbps=pcie if pcie is not None else pcie_gbps(gpu))
     for bits in kv_bits:
-        if bits not in FORMAT_PRESETS:
-            raise ValueError(f"kv bits must be 16, 8, 4 or 2, got {bits}")
-        cfg = KVConfig(**FORMAT_PRESETS[bits], block_size=block_size)
-        label = KVConfig(**FORMAT_PRESETS[bits]).describe()
+        cfg = bits_format(bits, block_size=block_size)
+        label = cfg.describe()
         try:
             cfg.resolve(shape.layers, shape.head_dim)
         except ValueError as e:  # e.g. rotation on a head_dim that is not a power of two

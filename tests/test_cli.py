@@ -979,3 +979,42 @@ def test_sealing_share_spreads_the_sealing_steps_excess_over_a_block():
     assert all(math.isnan(x) for x in sealing_share([12.0], [True], 64))  # nothing to compare with
     with pytest.raises(ValueError):
         sealing_share(steps, sealed[:3], 64)  # one flag per step
+
+
+def test_bench_decode_flash_backend_row(monkeypatch):
+    """Where flash-attn imports, each quantized format gets a row of the `flash` backend over the
+    same copies as its triton row (here flash-attn's torch stand-in on the CPU): every copy's call
+    goes through the backend and gives the reference's output; a backend that fails to run gets
+    a row that says so, with no time."""
+    from longctx import KVConfig
+    from longctx.bench import synthetic_view
+    import longctx.bench.decode as bench
+    from longctx.ops.paged_attention import api, flash, paged_attention
+    from longctx.testing import flash_kvcache_standin
+
+    calls = []
+
+    def fa(*args, **kw):
+        calls.append(kw.get("block_table") is not None)
+        return flash_kvcache_standin(*args, **kw)
+
+    monkeypatch.setattr(flash, "_kvcache_fn", lambda: fa)
+    monkeypatch.setattr(api, "resolve_backend", lambda backend, q, d: backend)  # (the dispatch takes only CUDA tensors to flash)
+    q = torch.randn(1, 4, 1, 64).half()
+    views = [synthetic_view(1, 600, 2, 64, KVConfig(bits=2, rotate=True, k_span=16), "cpu", torch.float16, seed=s) for s in range(3)]
+    want = [paged_attention(q, v, backend="reference", return_lse=False)[0] for v in views]
+
+    def timer(fn, n, reps):
+        for i in range(n):
+            assert torch.allclose(fn(i)[0].float(), want[i].float(), atol=3e-3), i
+        return 0.25
+
+    row = bench._flash_backend_row(q, views, "longctx int2+rot", 600, 1, 1000, 1 << 20, 1 << 40, timer, 4)
+    assert (row.name, row.ms, row.note) == ("longctx int2+rot, flash backend", 0.25, "") and calls.count(True) == 3
+
+    def broken(*args, **kw):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(flash, "_kvcache_fn", lambda: broken)
+    row = bench._flash_backend_row(q, views, "longctx int2+rot", 600, 1, 1000, 1 << 20, 1 << 40, timer, 4)
+    assert row.ms != row.ms and row.note == "failed (RuntimeError: no kernel image is available for execution on the device)"

@@ -3,6 +3,7 @@
 import pytest
 
 from longctx import KVConfig
+from longctx.config import kv_preset
 from longctx.cache import PagedKVCache
 from longctx.plan import (
     RUNTIME_OVERHEAD,
@@ -84,7 +85,7 @@ def test_host_tier_plan_fits_both_budgets_and_differs_by_format():
     tokens = [r.max_tokens_offload for r in p.rows]
     assert tokens == sorted(tokens) and len(set(tokens)) == 4
     for r in p.rows:
-        cfg = KVConfig(**({"bits": 2, "rotate": True} if r.format == "int2+rot" else {"bits": int(r.format[3:]) if r.format != "bf16" else 16}))
+        cfg = kv_preset(r.format)  # (plan's rows are the named formats)
         per_block = _sealed_block_bytes(shape, cfg.resolve(shape.layers, shape.head_dim), 2)
         assert r.host_bytes == r.host_blocks * per_block <= 64 * 2**30 < (r.host_blocks + 1) * per_block
         tails = 6 * 2048 * 32 * 8 * 128  # (a chunk in every layer's tail, and its finiteness check)

@@ -1,25 +1,26 @@
 """The fastest plain read of a decode step's bytes on this GPU: the ceiling any decode kernel
 over those bytes has, against SDPA dense bf16 in the same process.
 
-For each case (context, batch; Llama-3-8B shape: 8 KV heads, head_dim 128) it reads, as one
-contiguous stream with no arithmetic but an XOR, as many bytes as the bench's int4 view holds
-for one step (codes and scales), and as many as SDPA's dense bf16 K and V. The stream kernel
+For each case (context, batch; Llama-3-8B shape: 8 KV heads, head_dim 128) and format (int4
+unless --formats names others) it reads, as one contiguous stream with no arithmetic but an XOR,
+as many bytes as the bench's view of the format holds for one step (codes and scales), and as
+many as SDPA's dense bf16 K and V. The stream kernel
 is swept over tile size, warps, pipeline stages and program count, and the fastest setting
 is timed again, twice, the lower time kept (the bench's rows keep their median). Then the
 bench's own rows for the same case (`bench_decode(..., graph=True)`: SDPA dense bf16 and the
-int4 call), so that every ratio comes from one process:
+format's call), so that every ratio comes from one process:
 
-  ceiling  = SDPA / fastest read of int4's bytes   (an int4 kernel beats it only by reading
+  ceiling  = SDPA / fastest read of the format's bytes   (a kernel beats it only by reading
              its bytes faster than every setting swept here)
-  bytes    = fastest read of bf16's bytes / fastest read of int4's bytes
-  int4     = SDPA / the int4 call                   (the bench's ratio)
-  of read  = fastest read of int4's bytes / the int4 call
+  bytes    = fastest read of bf16's bytes / fastest read of the format's bytes
+  call     = SDPA / the format's call                     (the bench's ratio)
+  of read  = fastest read of the format's bytes / the format's call
 
 Times are CUDA-graph replays over copies far beyond L2 (the bench's `time_graph`, `copies_for`).
 Also a read followed by a one-program second launch in the same graph: what a second kernel
 (the split merge) costs a call even when it does no work.
 
-Usage (GPU machine, repo root): python3 tools/read_floor.py [--cases 128k:1,512k:1,32k:8] [--quick]
+Usage (GPU machine, repo root): python3 tools/read_floor.py [--cases 128k:1,512k:1,32k:8] [--formats int4,int2+rot] [--quick]
 CPU check of the kernel under the interpreter: TRITON_INTERPRET=1 python3 tools/read_floor.py --check
 """
 from __future__ import annotations
@@ -82,6 +83,7 @@ def check() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="128k:1,512k:1,32k:8")
+    ap.add_argument("--formats", default="int4", help="the bench's named formats, at its block size (64)")
     ap.add_argument("--quick", action="store_true", help="a smaller sweep")
     ap.add_argument("--check", action="store_true", help="check the kernel (CPU interpreter) and stop")
     a = ap.parse_args()
@@ -95,7 +97,8 @@ def main() -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(torch.cuda.get_device_name(), "SMs", sms, "torch", torch.__version__, "triton", triton.__version__)
-    cfgs, _, H, D = bench_setup("decode", ("int4",), 64)  # the bench's int4 format and shape
+    formats = tuple(f.strip() for f in a.formats.split(","))
+    cfgs, _, H, D = bench_setup("decode", formats, 64)  # the bench's formats and shape
     blocks = (1024, 4096) if a.quick else (512, 1024, 2048, 4096)
     warps = (4, 8) if a.quick else (4, 8, 16)
     stages = (2, 3) if a.quick else (2, 3, 4)
@@ -127,20 +130,21 @@ def main() -> None:
 
     lines = []
     for T, B in decode_cases(cases=parse_cases(a.cases)):
-        i4_bytes, _ = pages_bytes(B, T, H, D, cfgs["int4"])
         bf_bytes = dense_bytes_of(B, T, H, D)
-        r4, how4 = fastest(i4_bytes)
         rb, howb = fastest(bf_bytes)
-        rows = bench_decode(cases=[(T, B)], formats=("int4",), graph=True)
+        rows = bench_decode(cases=[(T, B)], formats=formats, graph=True)
         sdpa = next(r.ms for r in rows if r.name == "SDPA dense bf16")
-        call = next(r.ms for r in rows if r.name.startswith("longctx"))
-        lines.append(
-            f"{T // 1024}k, batch {B}: int4 bytes {i4_bytes / 1e6:.1f} MB read in {r4 * 1e3:.2f} us ({i4_bytes / r4 / 1e9:.2f} TB/s) [{how4}]\n"
-            f"    bf16 bytes {bf_bytes / 1e6:.1f} MB read in {rb * 1e3:.2f} us ({bf_bytes / rb / 1e9:.2f} TB/s) [{howb}]\n"
-            f"    SDPA {sdpa * 1e3:.2f} us ({bf_bytes / sdpa / 1e9:.2f} TB/s), int4 call {call * 1e3:.2f} us\n"
-            f"    ceiling SDPA/read(int4) {sdpa / r4:.2f}x; bytes read(bf16)/read(int4) {rb / r4:.2f}x; "
-            f"int4 SDPA/call {sdpa / call:.2f}x; the call at {r4 / call:.0%} of the read's speed")
-        print(lines[-1], flush=True)
+        lines.append(f"{T // 1024}k, batch {B}: bf16 bytes {bf_bytes / 1e6:.1f} MB read in {rb * 1e3:.2f} us ({bf_bytes / rb / 1e9:.2f} TB/s) "
+                     f"[{howb}]; SDPA {sdpa * 1e3:.2f} us ({bf_bytes / sdpa / 1e9:.2f} TB/s)")
+        for name in formats:
+            nbytes, _ = pages_bytes(B, T, H, D, cfgs[name])
+            read, how = fastest(nbytes)
+            call = next(row.ms for row in rows if row.name == f"longctx {name}")
+            lines.append(
+                f"    {name}: bytes {nbytes / 1e6:.1f} MB read in {read * 1e3:.2f} us ({nbytes / read / 1e9:.2f} TB/s) [{how}]; call {call * 1e3:.2f} us\n"
+                f"    {name}: ceiling SDPA/read {sdpa / read:.2f}x; bytes read(bf16)/read {rb / read:.2f}x; "
+                f"SDPA/call {sdpa / call:.2f}x; the call at {read / call:.0%} of the read's speed")
+        print("\n".join(lines[-1 - len(formats):]), flush=True)
     print("\n".join(lines))
 
 

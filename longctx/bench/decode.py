@@ -6,7 +6,9 @@ Each time is the median over repetitions of a loop over enough copies of the lay
 (PyTorch's flash kernel), FlexAttention paged over bf16 pages (the `flex` backend, eager
 timing only), flash-attn's own paged decode over bf16 pages of 256 tokens (where flash-attn
 imports), and "dequantize everything, then SDPA" (how Hugging Face's QuantizedCache reads its
-cache). Results are dataclasses; the CLI renders them.
+cache). Where flash-attn imports, each quantized format also gets a row of our `flash` backend
+(the past dequantized into bf16 pages a bounded slice at a time, then flash-attn's paged kernel)
+beside its triton row. Results are dataclasses; the CLI renders them.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ def bench_decode(
     pairs = decode_cases(contexts, batches, cases)
     cfgs, Hq, H, D = bench_setup("decode", formats, block_size, shape)
     timer = time_graph if graph else time_calls
+    flash = torch.device(device).type == "cuda" and flash_available()
     rows: list[DecodeRow] = []
     for T, B in pairs:
         q = torch.randn(B, Hq, 1, D, device=device, dtype=torch.bfloat16)
@@ -127,7 +130,7 @@ def bench_decode(
             case.append(_sdpa_row(q, T, B, H, D, timer, reps))
             if not graph:
                 case.append(_flex_row(q, B, T, H, D, block_size, reps))
-            if torch.device(device).type == "cuda" and flash_available():
+            if flash:
                 case.append(_flash_attn_row(q, T, B, H, D, timer, reps))
         for name, cfg in cfgs.items():
             label, (kv_bytes, copy_bytes) = f"longctx {cfg.describe()}", pages_bytes(B, T, H, D, cfg)
@@ -146,6 +149,8 @@ def bench_decode(
                 return timer(lambda i: paged_attention(q, views[i], backend="triton", return_lse=False), L, reps)
 
             case.append(_timed_row(label, T, B, kv_bytes, attend))
+            if flash and cfg.key_bits < 16 and len(views) == L:
+                case.append(_flash_backend_row(q, views, label, T, B, kv_bytes, copy_bytes, free, timer, reps))
             if deq and len(views) == L:
                 # the same copies, as many as leave room for one call's dense K and V
                 n = min(L, fit_copies(copy_bytes, free, dense_bytes))
@@ -229,6 +234,25 @@ def _flash_attn_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> Deco
         return timer(lambda i: flash_attn_with_kvcache(qt, caches[i][0], caches[i][1], cache_seqlens=seqlens, block_table=caches[i][2]), L, reps)
 
     return _peer_row(name, T, B, dense_bytes, measure, caches)
+
+
+def _flash_backend_row(q, views: list, label: str, T: int, B: int, kv_bytes: int, copy_bytes: int, free: int, timer, reps: int) -> DecodeRow:
+    """Our `flash` backend over the format row's copies `views` (as many as leave room for its
+    staging pages): each step dequantizes the past into bf16 pages of 256 tokens, a bounded slice
+    at a time, then runs flash-attn's paged kernel on them. A failure is the row's note."""
+    from ..ops.paged_attention import paged_attention
+    from ..ops.paged_attention.flash import STAGE_BYTES
+
+    name, fmt = f"{label}, flash backend", views[0].pages.fmt
+    staging = min(STAGE_BYTES, dense_bytes_of(B, T, fmt.num_kv_heads, fmt.head_dim))
+    n = min(len(views), fit_copies(copy_bytes, free, staging))
+    if not n:
+        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=no_room(copy_bytes, free, staging))
+    try:
+        return _timed_row(name, T, B, kv_bytes, lambda: timer(lambda i: paged_attention(q, views[i], backend="flash", return_lse=False), n,
+                                                               max(3, reps // 4)))
+    except Exception as e:  # noqa: BLE001 - a backend that cannot run here is a finding, shown in the table
+        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"failed ({_error_line(e)})")
 
 
 def _flex_row(q, B: int, T: int, H: int, D: int, block_size: int, reps: int) -> DecodeRow:

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ..errors import BackendUnavailableError
-from ..plan import FORMAT_PRESETS, model_shape
+from ..config import bits_format
+from ..plan import model_shape
 from .common import greedy_steps
 from .plan import FORMATS, random_model
 
@@ -58,7 +59,6 @@ def bench_disk(contexts=(131072, 434176), formats=("int4",), model: str = "llama
                directory: str | Path | None = None, device: str = "cuda", progress=None) -> list[DiskRow]:
     """A row per (context, format); progress(row) follows each. `directory` holds the files
     (default: the temporary directory), each deleted after its row."""
-    from ..config import KVConfig
     from ..generate import prefill
     from ..integrations.transformers import LongCtxCache
 
@@ -81,7 +81,7 @@ def bench_disk(contexts=(131072, 434176), formats=("int4",), model: str = "llama
             path = folder / f"longctx-bench-{model}-{fmt}-{context}.kvc"
 
             try:
-                cache = LongCtxCache(net, KVConfig(**FORMAT_PRESETS[FORMATS[fmt]]))
+                cache = LongCtxCache(net, bits_format(FORMATS[fmt]))
                 with torch.inference_mode():
                     _sync(device)
                     t0 = time.perf_counter()

@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..config import KVConfig
+from ..config import bits_format
 from ..errors import BackendUnavailableError
-from ..plan import FORMAT_PRESETS, model_shape, offload_step_ms, plan
+from ..plan import model_shape, offload_step_ms, plan
 from .common import greedy_steps, out_of_memory
 from .plan import FORMATS, random_model, to_nf4
 
@@ -206,7 +206,7 @@ def bench_offload(model: str = "llama-3.1-8b", contexts=(262144, 524288, 1048576
     def ours(fmt: str, context: int, budget: bool) -> OffloadRow:
         bits = FORMATS[fmt]
         name = f"LongCtxCache {fmt}" + (f" + host tier, {budget_gib:g} GiB budget" if budget else ", all on the GPU")
-        cfg = KVConfig(**FORMAT_PRESETS[bits])
+        cfg = bits_format(bits)
         predicted = float("nan")
         if budget:
             free_host = host_memory_available()
@@ -215,7 +215,7 @@ def bench_offload(model: str = "llama-3.1-8b", contexts=(262144, 524288, 1048576
             blocks = -(-context // cfg.block_size) + 8  # (the steps' tokens, a spill's headroom)
             if p.max_tokens_offload is None or p.offload_max_blocks + p.host_blocks < blocks:
                 return OffloadRow(name, context, float("nan"), note=f"does not fit {budget_gib:g} GiB and this machine's host memory")
-            cfg = KVConfig(**FORMAT_PRESETS[bits], max_blocks=p.offload_max_blocks, host_blocks=max(1, blocks - p.offload_max_blocks))
+            cfg = bits_format(bits, max_blocks=p.offload_max_blocks, host_blocks=max(1, blocks - p.offload_max_blocks))
             predicted = offload_step_ms(shape, cfg, context, p.offload_max_blocks, gbps)
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gib * GIB / total))
         cache = LongCtxCache(net, cfg)
@@ -313,10 +313,10 @@ def bench_offload_prefill(model: str = "llama-3.1-8b", context: int = 393216, fm
     blocks = -(-(context + decode) // 64) + 8
     if p.max_tokens_offload is None:
         raise ValueError(f"bench offload: {budget_gib:g} GiB has no room for a host tier's device part at chunks of {chunk:,}")
-    capped = KVConfig(**FORMAT_PRESETS[bits], max_blocks=p.offload_max_blocks, host_blocks=max(1, blocks - p.offload_max_blocks))
+    capped = bits_format(bits, max_blocks=p.offload_max_blocks, host_blocks=max(1, blocks - p.offload_max_blocks))
     rows: list[PrefillRow] = []
     tokens: list[list[int]] = []
-    for name, cfg, cap in ((f"LongCtxCache {fmt}, no budget", KVConfig(**FORMAT_PRESETS[bits]), None),
+    for name, cfg, cap in ((f"LongCtxCache {fmt}, no budget", bits_format(bits), None),
                            (f"LongCtxCache {fmt} + host tier, {budget_gib:g} GiB budget", capped, budget_gib)):
         if cap is not None:
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total))

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..config import KVConfig
+from ..config import bits_format
 from ..errors import BackendUnavailableError
-from ..plan import FORMAT_PRESETS, activation_bytes, kv_bytes, model_shape, plan, weight_bytes
+from ..plan import activation_bytes, kv_bytes, model_shape, plan, weight_bytes
 from .common import out_of_memory
 from .e2e import random_llama
 
@@ -113,7 +113,7 @@ def bench_plan(model: str = "llama-3.1-8b", fmt: str = "int4", weights_bits: int
     if row.unavailable or row.max_tokens == 0:
         raise ValueError(f"bench plan: {fmt} does not fit {model} in {budget:.1f} GiB ({row.unavailable or 'not even one token'})")
     tokens = min(row.max_tokens, max_tokens or row.max_tokens)
-    cfg = KVConfig(**FORMAT_PRESETS[bits], max_blocks=row.max_blocks)
+    cfg = bits_format(bits, max_blocks=row.max_blocks)
     if weights_bits == 4:
         import bitsandbytes  # noqa: F401  (refused in one line before a model is built where it is missing)
     net = random_model(shape, tokens + decode + 16)

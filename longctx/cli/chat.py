@@ -38,11 +38,11 @@ def _stats_table(session) -> Table:
 
 def chat(
     model: str = typer.Option(None, "--model", help="hub id, local dir or .gguf file (default: embedded SmolLM2-135M-Instruct)"),
-    kv_bits: int = typer.Option(4, "--kv-bits", help="16, 8, 4 or 2"),
+    kv_bits: int = typer.Option(4, "--kv-bits", help="16, 8, 4 or 2: the formats bf16, int8, int4, int2+rot (longctx/configs/kv.yaml)"),
     k_bits: int = typer.Option(None, "--k-bits", help="override the bits of keys"),
     v_bits: int = typer.Option(None, "--v-bits", help="override the bits of values"),
-    rotate: bool = typer.Option(False, "--rotate/--no-rotate", help="Hadamard rotation (recommended at 2 bits)"),
-    block_size: int = typer.Option(64, "--block-size", help="tokens per page"),
+    rotate: bool = typer.Option(None, "--rotate/--no-rotate", help="Hadamard rotation (default: the format's; int2+rot rotates)"),
+    block_size: int = typer.Option(None, "--block-size", help="tokens per page (default: the format's, 64)"),
     load_in_4bit: bool = typer.Option(False, "--load-in-4bit/--no-load-in-4bit", help="bitsandbytes 4-bit weights (CUDA)"),
     load_in_8bit: bool = typer.Option(False, "--load-in-8bit/--no-load-in-8bit", help="bitsandbytes 8-bit weights (CUDA)"),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
@@ -73,7 +73,7 @@ def chat(
     import torch
 
     from ..chat import ChatSession, SamplingConfig
-    from ..config import KVConfig
+    from ..config import bits_format
     from ..errors import LongCtxError
     from ..integrations.transformers import LongCtxCache
     from ..models import load_model
@@ -106,9 +106,11 @@ def chat(
         host_bytes = int(parse_size_gib(host_mem) * 2**30)
         if device == "cpu":
             raise ValueError("--host-mem holds pages off a CUDA GPU's memory; drop it with --device cpu")
+    given_kv = {k: v for k, v in dict(k_bits=k_bits, v_bits=v_bits, rotate=rotate, block_size=block_size).items() if v is not None}
+    kv = bits_format(kv_bits, **given_kv)
     # --max-context also sizes the page pools once (no doubling and copying as the chat grows)
-    max_blocks = -(-max_context // block_size) if max_context else None
-    kv = KVConfig(bits=kv_bits, k_bits=k_bits, v_bits=v_bits, rotate=rotate, block_size=block_size, max_blocks=max_blocks)
+    if max_context:
+        kv = dataclasses.replace(kv, max_blocks=-(-max_context // kv.block_size))
     given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     if show_config:  # group_size null: the model's head_dim sets it when the cache is built; sampling null: the model's
         return print_config(details={"kv": kv})

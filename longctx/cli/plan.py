@@ -40,8 +40,8 @@ def plan(
       longctx plan --model llama-3.1-8b --gpu rtx-4090 --weights-bits 4 --host-mem 64GiB
       longctx plan --model ./Qwen2.5-7B-Instruct --gpu rtx-3060-12gb --json
     """
-    from ..config import KVConfig
-    from ..plan import FORMAT_PRESETS, catalog_gpus, catalog_models, gpu_memory, model_shape, offload_step_ms, parse_size_gib
+    from ..config import bits_format
+    from ..plan import catalog_gpus, catalog_models, gpu_memory, model_shape, offload_step_ms, parse_size_gib
     from ..plan import plan as make_plan
 
     if list_catalog:
@@ -95,7 +95,7 @@ def plan(
                 cells += [f"{r.max_tokens_offload:,}", _gib(r.host_bytes), f"{r.offload_step_ms:,.0f} ms"]
                 if at:
                     fits = at <= r.max_tokens_offload
-                    cfg = KVConfig(**FORMAT_PRESETS[b], block_size=block_size)
+                    cfg = bits_format(b, block_size=block_size)
                     cells.append(f"{offload_step_ms(shape, cfg, at, r.offload_max_blocks, p.pcie_gbps, batch):,.0f} ms" if fits else "does not fit")
         cells.append("fits" if r.fits_model_limit else "short")
         rows.append(cells)
