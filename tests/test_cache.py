@@ -270,10 +270,13 @@ def test_batch_mismatch_and_bad_shapes():
         cache.append(0, *random_kv(2, 3, 1, 64))
 
 
-@pytest.mark.parametrize("bits, bound", [(8, 0.56), (4, 0.30), (2, 0.17)])
-def test_bytes_per_token_at_4096_tokens(bits, bound):
-    """SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64), bf16 keys/values."""
-    cache = PagedKVCache(KVConfig(bits=bits, rotate=bits == 2), num_layers=30, num_kv_heads=3, head_dim=64)
+@pytest.mark.parametrize("name, bound", [("int8", 0.54), ("int4", 0.293), ("int2+rot", 0.216)])
+def test_bytes_per_token_at_4096_tokens(name, bound):
+    """SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64), bf16 keys/values, the named
+    formats (int2+rot: K's scales a row per 16 tokens)."""
+    from longctx.config import kv_preset
+
+    cache = PagedKVCache(kv_preset(name), num_layers=30, num_kv_heads=3, head_dim=64)
     for c0 in range(0, 4096, 1024):
         k, v = random_kv(1, 3, 1024, 64, dtype=torch.bfloat16, seed=c0)
         step(cache, k, v)

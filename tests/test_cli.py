@@ -155,7 +155,11 @@ def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeyp
                           "max_new_tokens", "temperature", "top_p", "seed", "system", "file", "prompt", "max_context", "chunk", "host_mem", "graphs",
                           "save_kv", "load_kv"]
     assert (chat["kv_bits"], chat["rotate"], chat["max_context"], chat["temperature"], chat["model"]) == (2, True, 1000, 0.0, None)
-    assert KVConfig(**kv["kv"]) == KVConfig(bits=2, rotate=True, max_blocks=16)
+    assert KVConfig(**kv["kv"]) == KVConfig(bits=2, rotate=True, k_span=16, max_blocks=16)  # kv.yaml's int2+rot
+    chat, kv = printed("chat", "--kv-bits", "2")  # (rotated as the named format is, with no --rotate)
+    assert chat["rotate"] is None and chat["block_size"] is None and KVConfig(**kv["kv"]) == KVConfig(bits=2, rotate=True, k_span=16)
+    chat, kv = printed("chat", "--kv-bits", "4", "--block-size", "128", "--no-rotate")
+    assert KVConfig(**kv["kv"]) == KVConfig(bits=4, block_size=128)
     decode, resolved = printed("bench", "decode", "--cases", "128k:1,32k:8", "--formats", "int8")
     assert decode["cases"] == "131072:1,32768:8" and decode["formats"] == ["int8"] and resolved["shape"]["kv_heads"] == 8
     assert KVConfig(**resolved["formats"]["int8"]) == KVConfig(bits=8, group_size=128)  # resolved at the bench's head_dim
@@ -163,7 +167,7 @@ def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeyp
     assert seal["layers"] == 30 and resolved["formats"]["int4"]["group_size"] == 64
     quality, resolved = printed("eval", "quality", "--formats", "int4,int2+rot")
     assert quality["formats"] == ["int4", "int2+rot"] and quality["mode"] == "both"
-    assert KVConfig(**resolved["formats"]["int2+rot"]) == KVConfig(bits=2, rotate=True, block_size=16)
+    assert KVConfig(**resolved["formats"]["int2+rot"]) == KVConfig(bits=2, rotate=True, k_span=16)
     passkey, _ = printed("eval", "passkey", "--depths", "0.5")
     assert passkey["depths"] == [0.5] and passkey["tokens"] == 3600
     plan, resolved = printed("plan", "--gpu", "rtx-3090", "--kv-bits", "4")

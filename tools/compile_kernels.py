@@ -61,7 +61,7 @@ def compile_kernel(a):
                  MASK=not (side == 1 and max(a.bits, v_bits) <= 4), TINY_CODES=bool(side and half),
                  TREE=K.TUNE["merge_tree"] if a.merge == "kernel" else 0, R=a.rows, TAIL_DEV=False, BLOCKS_DEV=False,
                  INV_SQRT_D=hadamard_scale(a.head_dim) if a.rotate else 1.0, PTX=True,
-                 TD=a.tile if a.tile < a.block_size and not a.prefill else 0)
+                 TD=a.tile if a.tile < a.block_size and not a.prefill else 0, KG=a.k_span or a.block_size)
     const["DENSE"] = min(K.TUNE["side_dense"], a.block_size) if side else const["TD"]  # (the 2-D loop's tiles: its sinks and tail alike)
     if a.prefill:  # the prefill kernel: a.prefill rows (query tokens x G heads) a program; K in fp32, rounded once
         bt = max(1, a.prefill // G)
@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--v-bits", type=int, default=0, choices=(0, 16, 8, 4, 2), help="V's bits where they differ from K's (--bits)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (80: A100, 86: RTX 3090, 89: RTX 4090, 90: H100/H200)")
     ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--k-span", type=int, default=0, help="tokens a K scale row covers (0: the page; int2+rot: 16)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)

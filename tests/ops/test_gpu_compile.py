@@ -25,6 +25,8 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 VARIANTS = {
     "int2+rot-D64": ["--bits", "2", "--rotate", "--head-dim", "64"],  # two bytes' codes joined: 16 columns a dot
     "int2+rot-D128": ["--bits", "2", "--rotate"],  # a word's bytes in two dots of 16 columns
+    "int2+rot-span16": ["--bits", "2", "--rotate", "--k-span", "16"],  # the named int2+rot: tiles of 16 tokens, a K scale row each
+    "prefill-int2+rot-span16": ["--prefill", "128", "--bits", "2", "--rotate", "--k-span", "16", "--warps", "8"],  # tiles over 4 spans
     "int4+rot-D128": ["--bits", "4", "--rotate"],  # the queries and the output rotated in the program
     "int4+rot-D64-rows2": ["--bits", "4", "--rotate", "--head-dim", "64", "--rows", "2"],  # a prompt's beams' launch
     "int8-kernel-merge": ["--bits", "8", "--merge", "kernel"],  # eager calls merge in the launch

@@ -280,11 +280,6 @@ def test_launch_fits_one_wave():
     k = K.compiled_kernel(plan, q, view)
     assert plan.summary["side"] == TUNE["side_short"] and k.metadata.num_warps == TUNE["side_short"]
     assert plan.grid[1] == 64 // TUNE["side_short"] and k.metadata.num_stages == TUNE["side_stages"]
-    # int2+rot (K's scales a span of 16 tokens): side_small tiles of 16 a step, on one warp
-    view = synthetic_view(1, 65536, 8, 128, KVConfig(bits=2, rotate=True, k_span=16), "cuda")
-    paged_attention(q, view, backend="triton")
-    plan = K.decode_plans(q, view)[-1]
-    assert plan.summary["side"] == TUNE["side_small"] and K.compiled_kernel(plan, q, view).metadata.num_warps == 1
 
 
 def _plain_inputs(case, dtype):
@@ -315,7 +310,6 @@ def test_side_by_side_pages_within_budget(case, side, dtype, monkeypatch):
     budget, with padding, rotation, int2, GQA 3, V groups of 16 and 32, one split and merged
     splits."""
     monkeypatch.setitem(TUNE, "side", side)
-    monkeypatch.setitem(TUNE, "side_small", side)  # (pages of 16 tokens)
     plan = _within_budget(case, dtype)
     half = dtype != torch.float32
     assert plan.summary["side"] == side and plan.summary["k16"] == int(half) and plan.summary["v_transposed"] == half
@@ -329,7 +323,6 @@ def test_side_by_side_masks_padding_in_sealed_pages(side, kw, dtype, monkeypatch
     padding of a few tokens stays in the sink block): whole padded pages and one cut in the
     middle, in programs of several pages; a row without padding beside it."""
     monkeypatch.setitem(TUNE, "side", side)
-    monkeypatch.setitem(TUNE, "side_small", side)  # (pages of 16 tokens)
     plan = _within_budget((2, 300, 8, 2, 64, 16, kw, True, 3), dtype, starts=[0, 83])
     assert plan.summary["side"] == side
 
@@ -347,7 +340,6 @@ def test_side_by_side_tiles_of_big_pages_within_budget(case, side, dtype, monkey
     page's K scales: the grid's budget with GQA 3 and 4, int2 with rotation, int8, k8v4, V
     groups of 32, left padding, one split and several."""
     monkeypatch.setitem(TUNE, "side", side)
-    monkeypatch.setitem(TUNE, "side_small", side)  # (pages of 16 tokens)
     monkeypatch.setitem(TUNE, "side_short", side)  # (programs of at most two pages)
     plan = _within_budget(case, dtype)
     assert plan.summary["side"] == side
@@ -360,7 +352,6 @@ def test_side_by_side_tiles_mask_padding(P, starts, side, dtype, monkeypatch):
     """Left padding that ends inside a sealed page's second or later tile (rows padded past
     the sink page), in programs of several pages, beside a row padded less."""
     monkeypatch.setitem(TUNE, "side", side)
-    monkeypatch.setitem(TUNE, "side_small", side)  # (pages of 16 tokens)
     monkeypatch.setitem(TUNE, "side_short", side)  # (programs of at most two pages)
     plan = _within_budget((2, 900, 8, 2, 64, P, dict(bits=4), True, 2), dtype, starts=starts)
     assert plan.summary["side"] == side
@@ -451,8 +442,7 @@ def test_side_by_side_int8_pages_within_budget(case, dtype):
     fp16 subnormals where the probe allows), V transposed for 16-bit inputs."""
     plan = _within_budget(case, dtype)
     half = dtype != torch.float32
-    assert plan.summary["side"] == (TUNE["side_small"] if case[5] < 64 else TUNE["side"])  # (pages of 16: side_small)
-    assert plan.summary["k16"] == int(half) and plan.summary["v_transposed"] == half
+    assert plan.summary["side"] == TUNE["side"] and plan.summary["k16"] == int(half) and plan.summary["v_transposed"] == half
 
 
 def test_tiny_probe_tells_exact_from_flushed_subnormals():
@@ -525,9 +515,7 @@ def test_side_rule(monkeypatch):
     monkeypatch.setitem(TUNE, "side_short", 0)
     assert K.side_pages(fmt(4), short=False) == TUNE["side"]
     assert K.side_pages(fmt(4), short=True) == 0  # one or two pages a program: the 2-D loop
-    # tiles of under 64 tokens (small pages, or K scale spans) go TUNE["side_small"] a step
-    assert K.side_pages(fmt(2, block=16), short=False) == K.side_pages(fmt(2, k_span=16), short=False) == TUNE["side_small"]
-    assert K.small_tiles(fmt(2, k_span=16)) and K.small_tiles(fmt(4, block=32)) and not K.small_tiles(fmt(4, block=128))
+    assert K.side_pages(fmt(2, block=16), short=False) == K.side_pages(fmt(2, k_span=16), short=False) == TUNE["side"]
     assert K.side_pages(fmt(4, block=128), short=False) == K.side_pages(fmt(4, block=256), short=False) == TUNE["side"]
     monkeypatch.setitem(TUNE, "side_short", 2)
     assert K.side_pages(fmt(4), short=True) == 2 and K.side_pages(fmt(4), short=False) == TUNE["side"]
@@ -644,8 +632,7 @@ def test_in_kernel_merge_in_two_levels(tree, splits, monkeypatch):
     reference and the fp64 oracle (one row left-padded past its first splits, whose partials
     see no key), as the grid holds the flat merge; the counters end at zero, and a second
     call gives the same bits."""
-    # (a page of 16 a step: the splits as asked, where side_small's steps of two would round 8 to 7)
-    _tune(monkeypatch, {"merge": "kernel", "merge_tree": tree, "merge_tree_from": 0, "side_small": 1})
+    _tune(monkeypatch, {"merge": "kernel", "merge_tree": tree, "merge_tree_from": 0})
     q, start, cache, k, v, cfg = _merge_case()
     view = _to(cache.view(0), DEVICE)
     out, lse = paged_decode_triton(q.to(DEVICE), view, start.to(DEVICE), q.shape[-1]**-0.5, splits=splits)

@@ -23,7 +23,7 @@ from ...errors import BackendUnavailableError, SharedMemoryError
 from ...quant import hadamard_scale
 from ..backend import TRITON_OPTIONS
 from ..pages import PagedView, kernel_pools
-from .decode_kernel import SIDE_TILE, decode_kernel
+from .decode_kernel import decode_kernel
 from .merge import counters, merge_launch, merge_mode, merge_shape, merge_tree
 from .tuning import TUNE, compiled_fit, fit_key, fit_tile, interpreting, kernel_fit, num_splits, page_tiles, shared_limit, sm_count
 from .tuning import check_knobs, stages_that_fit, tiny_codes_exact
@@ -40,27 +40,17 @@ def _words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.view(torch.int16) if bits in (4, 8) else codes
 
 
-def small_tiles(fmt) -> bool:
-    """Whether the side loop reads `fmt`'s pages in tiles of under SIDE_TILE tokens: pages of 16
-    or 32, or K scale spans of that many (a tile stays within one span)."""
-    return min(fmt.block_size, fmt.k_span) < SIDE_TILE
-
-
 def side_pages(fmt, short: bool) -> int:
-    """Sealed pages (tiles) a loop step side by side, one a warp (0: the 2-D loop): for pages of
-    at most 8 bits on both sides, TUNE["side"] of them, or TUNE["side_short"] where a program
-    gets at most two pages (short contexts). Pages of more than SIDE_TILE tokens go as tiles of
-    that many; tiles of fewer (`small_tiles`) go TUNE["side_small"] a step, all on one warp (H100,
-    int2+rot with K spans of 16 at 128k: 112 us a layer against 123 one a step and 133 for four
-    on two warps)."""
-    for name in ("side", "side_short", "side_small"):
+    """Sealed pages a loop step side by side, one a warp (0: the 2-D loop): for pages of at
+    most 8 bits on both sides, TUNE["side"] of them, or TUNE["side_short"] where a program gets
+    at most two pages (short contexts). Pages of more than SIDE_TILE tokens, or whose K scale
+    spans are shorter than the page, go as tiles of at most SIDE_TILE tokens and one span."""
+    for name in ("side", "side_short"):
         if TUNE[name] not in (0, 1, 2, 4, 8) or isinstance(TUNE[name], bool):
             raise ValueError(f"TUNE[{name!r}] must be one of 0, 1, 2, 4, 8, got {TUNE[name]!r}")
     if not TUNE["side"] or max(fmt.k_bits, fmt.v_bits) > 8:
         return 0
-    if short:
-        return TUNE["side_short"]
-    return (TUNE["side_small"] or TUNE["side"]) if small_tiles(fmt) else TUNE["side"]
+    return TUNE["side_short"] if short else TUNE["side"]
 
 
 class Setup(NamedTuple):
@@ -227,8 +217,7 @@ def _decode_plan(st: Setup, view: PagedView, start, scale, splits: int | None, c
     # programs of one or two pages (short contexts) have nothing for a third stage to prefetch
     short = not sixteen and math.ceil(total / guess) <= 2
     side = side_pages(fmt, short)
-    # a warp a page side by side; tiles of under 64 tokens all on one warp (`side_pages`)
-    opts = dict(num_warps=(1 if small_tiles(fmt) and not short else side) if side else TUNE["num_warps"], **TRITON_OPTIONS)
+    opts = dict(num_warps=side or TUNE["num_warps"], **TRITON_OPTIONS)
     if R > 1 and side:  # the shared blocks' launch: a group's R x G queries over more warps (TUNE["shared_warps"])
         opts["num_warps"] = side * TUNE["shared_warps"]
     # side by side, K's per-channel scales fold into the query per page (16-bit inputs; fp32 in fp32)

@@ -23,8 +23,6 @@ TUNE = dict(
     # sealed pages of at most 8 bits a side: `side` pages a step side by side, one a warp (0: the 2-D loop);
     # `side_short` where a program gets at most two pages (short contexts)
     side=1, side_short=2, side_rows=4, side_stages=2, side_programs=16, side_dense=32,
-    # tiles of under 64 tokens (pages, or K's scale spans, of 16 or 32): that many side by side, on one warp
-    side_small=2,
     # how splits merge: "auto" (in the decode launch when eager, a merge launch under graph capture), "kernel", "launch"
     merge="auto", merge_chunk=128, merge_cols=32, merge_tree=16, merge_tree_from=64,
     # rows holding their first blocks alike (a prompt's beams): a launch of their own from shared_from tokens
