@@ -52,7 +52,7 @@ def decode_kernel(
     TD: tl.constexpr = 0, KG: tl.constexpr = 0,
 ):
     """Pool tensors are contiguous: pages [N, H, P, D*bits/8] (codes) or [N, H, P, D], K
-    scales [N, H, D], V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
+    scales [N, H, P / KG, D] (a row a span of KG tokens; KG 0 or P: one a page), V scales [N, H, P, D/GS], sinks [N_sink, H, P, D]; outputs [B, H*G,
     n_slots, D] and LSE [B, H*G, n_slots]; with MERGE also the merged OUT [B, H*G, D] and
     LOUT [B, H*G] (COUNT: int32 zeros, one per row and KV head, or with TREE
     cdiv(n_splits, TREE) + 1 of them; left at zero).
@@ -341,8 +341,9 @@ def _sealed_side(KC, KS, KZ, VC, VS, VZ, trow, ids, h, j0, j1, s_side, qp0, qp1,
                  V_SUB: tl.constexpr, SIDE_PAGES: tl.constexpr, V_TRANSPOSED: tl.constexpr, ZERO_DOT: tl.constexpr, MASK: tl.constexpr,
                  TINY_CODES: tl.constexpr = False, KG: tl.constexpr = 0):
     """The sealed (quantized) blocks j0 .. j1 - 1 of a row's table (trow; ids [SIDE_PAGES]: the block
-    ids of the first step), SIDE_PAGES tiles of at most 64 tokens side by side a step (tiles.py's
-    side_*; a page of P > 64 tokens is P // 64 tiles, which share its K scales): each keeps its
+    ids of the first step), SIDE_PAGES tiles of at most 64 tokens and one K span side by side a
+    step (tiles.py's side_*; a page of P > 64 tokens is P // 64 tiles, which share its K scales,
+    and a page of spans of KG < 64 tokens P // KG tiles, each with its span's): each keeps its
     own online softmax over the tiles it sees, and the SIDE_PAGES states fold into the program's
     (m_i, l_i, accumulators) at the end; tokens before s_side ([1, rows, 1] or a scalar) are
     masked; with ROTATE the sealed pages' share goes to the rotated accumulators r0..r3. MASK
