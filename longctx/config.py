@@ -190,6 +190,10 @@ def _presets() -> dict[str, dict]:
     return yaml.safe_load(resources.files("longctx").joinpath("configs/kv.yaml").read_text())
 
 
+# the named format `--kv-bits N` and plan's bits take
+BITS_FORMATS = {16: "bf16", 8: "int8", 4: "int4", 2: "int2+rot"}
+
+
 def bits_format(bits: int, **overrides) -> KVConfig:
     """The named format that `bits` stands for in `chat --kv-bits` and `plan` (BITS_FORMATS:
     2 is int2+rot), with `overrides` on top."""
@@ -201,10 +205,6 @@ def bits_format(bits: int, **overrides) -> KVConfig:
 def kv_preset_names() -> list[str]:
     """The named KV formats of `longctx/configs/kv.yaml`, in its order."""
     return list(_presets())
-
-
-# the named format `--kv-bits N` and plan's bits take
-BITS_FORMATS = {16: "bf16", 8: "int8", 4: "int4", 2: "int2+rot"}
 
 
 def kv_preset(name: str, **overrides) -> KVConfig:

@@ -239,7 +239,8 @@ def _flash_attn_row(q, T: int, B: int, H: int, D: int, timer, reps: int) -> Deco
 def _flash_backend_row(q, views: list, label: str, T: int, B: int, kv_bytes: int, copy_bytes: int, free: int, timer, reps: int) -> DecodeRow:
     """Our `flash` backend over the format row's copies `views` (as many as leave room for its
     staging pages): each step dequantizes the past into bf16 pages of 256 tokens, a bounded slice
-    at a time, then runs flash-attn's paged kernel on them. A failure is the row's note."""
+    at a time, then runs flash-attn's paged kernel on them. A failure is the row's note (`_peer_row`);
+    the copies stay the format row's."""
     from ..ops.paged_attention import paged_attention
     from ..ops.paged_attention.flash import STAGE_BYTES
 
@@ -248,11 +249,8 @@ def _flash_backend_row(q, views: list, label: str, T: int, B: int, kv_bytes: int
     n = min(len(views), fit_copies(copy_bytes, free, staging))
     if not n:
         return DecodeRow(name, T, B, float("nan"), kv_bytes, note=no_room(copy_bytes, free, staging))
-    try:
-        return _timed_row(name, T, B, kv_bytes, lambda: timer(lambda i: paged_attention(q, views[i], backend="flash", return_lse=False), n,
-                                                               max(3, reps // 4)))
-    except Exception as e:  # noqa: BLE001 - a backend that cannot run here is a finding, shown in the table
-        return DecodeRow(name, T, B, float("nan"), kv_bytes, note=f"failed ({_error_line(e)})")
+    return _peer_row(name, T, B, kv_bytes, lambda: timer(lambda i: paged_attention(q, views[i], backend="flash", return_lse=False), n,
+                                                         max(3, reps // 4)), [])
 
 
 def _flex_row(q, B: int, T: int, H: int, D: int, block_size: int, reps: int) -> DecodeRow:
