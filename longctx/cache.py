@@ -12,6 +12,12 @@ and is sealed after its attention, never read back quantized by itself.
 
 Rows of one batch share a length (Hugging Face's batch model); per-row lengths are left
 padding, which attention skips. Thread-unsafe by design, like the models it serves.
+
+Devices: each layer's pools, tails and sinks live on the device its attention runs on. A model
+split over several GPUs by accelerate's device_map gives the cache one device per layer
+(`devices`); consecutive layers on one device form a `Segment`, which stacks their tails and
+sinks, and each device holds its own copy of the block table. Nothing crosses devices but the
+hidden states the model moves itself.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 
 import torch
 
@@ -64,6 +71,33 @@ class DeviceStep:
         return self.slot is not None
 
 
+@dataclasses.dataclass
+class Segment:
+    """Consecutive decoder layers on one device and what they keep there beside their pools:
+    their tails [n, B, H_kv, capacity, D] and sink pools [n, N_sink, H_kv, P, D], stacked over
+    the segment's n layers so that a seal or a reorder is a few ops a segment. A model on one
+    device is one segment; one split over two cards, two."""
+    device: torch.device
+    layers: range
+    tail_k: torch.Tensor
+    tail_v: torch.Tensor
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+
+
+def _device(d) -> torch.device:
+    """`d` as a torch.device with its index ("cuda" is the current CUDA device's)."""
+    d = torch.device(d)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether tensor `t` lives on `device` (a CPU device's index names a placement, not memory)."""
+    return t.device.type == device.type and (device.type == "cpu" or t.device.index == device.index)
+
+
 def _index(values, device, dtype=torch.int64) -> torch.Tensor:
     """Indices on `device` without a host sync: built on the host, copied from pinned memory
     asynchronously (a plain torch.tensor(..., device=cuda) waits for the stream)."""
@@ -89,11 +123,19 @@ class PagedKVCache:
     """Paged KV storage for `num_layers` decoder layers of `num_kv_heads` x `head_dim`.
 
     Public tensors per layer are exposed through `view(layer)` (a `PagedView`); the pools
-    are allocated lazily from the first `append` (its dtype/device), then grow by doubling
-    up to `config.max_blocks`.
+    are allocated lazily from the first `append` (its dtype; its device, unless `devices`
+    names one a layer), then grow by doubling up to `config.max_blocks`.
+
+    devices: the device of each layer, for a model split over several (accelerate's
+    device_map); None: every layer on the device of the first append.
     """
 
-    def __init__(self, config: KVConfig, num_layers: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, config: KVConfig, num_layers: int, num_kv_heads: int, head_dim: int, devices=None):
+        if devices is not None:
+            devices = [_device(d) for d in devices]
+            if len(devices) != num_layers:
+                raise ValueError(f"devices: one device a layer, {num_layers}, got {len(devices)}")
+        self.layer_devices: list[torch.device] | None = devices
         self.config = config.resolve(num_layers, head_dim)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size = self.config.block_size
@@ -110,12 +152,11 @@ class PagedKVCache:
             self.host = HostTier(self, hb, self.config.stage_blocks)
         self.tail_len = [0] * num_layers  # tail_len[layer] -> tokens in that layer's tail
         self.dtype: torch.dtype | None = None
-        self.device: torch.device | None = None
         self.formats: list[BlockFormat] = []
         self.pages: list[Pages] = []
-        self.sink_k = self.sink_v = None  # [L, N_sink, H_kv, P, D]
-        self.tail_k = self.tail_v = None  # [L, B, H_kv, capacity, D]
-        self._table_tensor: torch.Tensor | None = None  # int32 [B, n_blocks], rebuilt on change
+        self.segments: list[Segment] = []  # the layers' tails and sinks, by device
+        self._where: list[tuple[Segment, int]] = []  # layer -> (its segment, its index there)
+        self._tables: dict[torch.device, torch.Tensor] = {}  # block_table() on each device, rebuilt on change
         self.seals = 0  # blocks sealed so far (physical, all rows)
         self.device_step: DeviceStep | None = None  # what recorded decode steps read on the device
 
@@ -123,6 +164,23 @@ class PagedKVCache:
     @property
     def initialized(self) -> bool:
         return self.dtype is not None
+
+    @property
+    def device(self) -> torch.device | None:
+        """The first layer's device (where a model's inputs go), None before the first append."""
+        return self.segments[0].device if self.segments else None
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The devices the layers live on, in layer order (one unless the model is split)."""
+        return list(dict.fromkeys(seg.device for seg in self.segments))
+
+    def layer_device(self, layer: int) -> torch.device:
+        return self._where[layer][0].device
+
+    def segment(self, layer: int) -> tuple[Segment, int]:
+        """(the segment holding `layer`, the layer's index within it)."""
+        return self._where[layer]
 
     @property
     def batch_size(self) -> int:
@@ -144,19 +202,25 @@ class PagedKVCache:
         dtype = like.dtype if cfg.dtype == "auto" else DTYPES[cfg.dtype]
         if dtype not in DTYPES.values():
             raise ValueError(f"keys/values of dtype {like.dtype} cannot be cached; cast the model to bf16/fp16/fp32")
-        self.dtype, self.device = dtype, like.device
+        self.dtype = dtype
         L, H, P, D = self.num_layers, self.num_kv_heads, self.block_size, self.head_dim
+        devices = self.layer_devices or [_device(like.device)] * L
         self.formats = [
             cfg.block_format(l, D, H, self.dtype) for l in range(L)
         ]
         self.pages = [Pages(fmt) for fmt in self.formats]
-        for pages in self.pages:
+        for pages, device in zip(self.pages, devices):
             for name, shape, dtype in self.pool_fields(pages.fmt, 0):
-                setattr(pages, name, torch.empty(shape, dtype=dtype, device=self.device))
-        self.sink_k = torch.empty(L, 0, H, P, D, dtype=self.dtype, device=self.device)
-        self.sink_v = torch.empty_like(self.sink_k)
-        self.tail_k = torch.zeros(L, batch, H, P, D, dtype=self.dtype, device=self.device)
-        self.tail_v = torch.zeros_like(self.tail_k)
+                setattr(pages, name, torch.empty(shape, dtype=dtype, device=device))
+        self.segments, self._where = [], []
+        for device, run in itertools.groupby(range(L), key=devices.__getitem__):
+            layers = list(run)
+            n = len(layers)
+            sink = torch.empty(n, 0, H, P, D, dtype=self.dtype, device=device)
+            tail = torch.zeros(n, batch, H, P, D, dtype=self.dtype, device=device)
+            seg = Segment(device, range(layers[0], layers[-1] + 1), tail, torch.zeros_like(tail), sink, torch.empty_like(sink))
+            self.segments.append(seg)
+            self._where += [(seg, i) for i in range(n)]
         self.tables.ensure_rows(batch)
 
     @staticmethod
@@ -187,49 +251,62 @@ class PagedKVCache:
                     cap = max(need, 2 * t.shape[0], 4)
                     if self.config.max_blocks is not None:
                         cap = max(need, self.config.max_blocks)
-                    grown = torch.zeros((cap, *shape[1:]), dtype=dtype, device=self.device)
+                    grown = torch.zeros((cap, *shape[1:]), dtype=dtype, device=t.device)
                     grown[: t.shape[0]] = t
                     setattr(pages, name, grown)
         need = self.sink_alloc.capacity
-        if self.sink_k.shape[1] < need:
-            cap = max(need, 2 * self.sink_k.shape[1])
-            for name in ("sink_k", "sink_v"):
-                t = getattr(self, name)
-                grown = t.new_zeros(t.shape[0], cap, *t.shape[2:])
-                grown[:, : t.shape[1]] = t
-                setattr(self, name, grown)
+        for seg in self.segments:
+            if seg.sink_k.shape[1] < need:
+                cap = max(need, 2 * seg.sink_k.shape[1])
+                for name in ("sink_k", "sink_v"):
+                    t = getattr(seg, name)
+                    grown = t.new_zeros(t.shape[0], cap, *t.shape[2:])
+                    grown[:, : t.shape[1]] = t
+                    setattr(seg, name, grown)
 
     def start(self, dtype: torch.dtype, device, rows: int) -> None:
-        """Empty storage for `rows` rows of `dtype` on `device`, as the first append makes it
-        (`longctx.persist` fills it from a file)."""
+        """Empty storage for `rows` rows of `dtype` on `device` (or the layers' `devices`), as
+        the first append makes it (`longctx.persist` fills it from a file)."""
         self._init_storage(torch.empty(0, dtype=dtype, device=device), rows)
 
     def set_tails(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Every layer's tail, [L, B, H_kv, n, D] (n under a block, between forwards)."""
         n = k.shape[3]
         self._ensure_tail_capacity(n)
-        self.tail_k[:, :, :, :n] = k
-        self.tail_v[:, :, :, :n] = v
+        for seg in self.segments:
+            seg.tail_k[:, :, :, :n] = k[seg.layers.start : seg.layers.stop].to(seg.device)
+            seg.tail_v[:, :, :, :n] = v[seg.layers.start : seg.layers.stop].to(seg.device)
         self.tail_len = [n] * self.num_layers
+
+    def tails(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer`'s tail tensors [B, H_kv, capacity, D] (its first tail_len[layer] tokens count)."""
+        seg, i = self._where[layer]
+        return seg.tail_k[i], seg.tail_v[i]
+
+    def sinks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer`'s sink pools [N_sink, H_kv, P, D]."""
+        seg, i = self._where[layer]
+        return seg.sink_k[i], seg.sink_v[i]
 
     def tables_changed(self) -> None:
         """The block tables were rebuilt outside seal/select (a load): drop what was derived from them."""
-        self._table_tensor = None
+        self._tables = {}
         self.device_step = None
         if self.host is not None:
             self.host.invalidate()
 
     def _ensure_tail_capacity(self, n: int) -> None:
-        cap = self.tail_k.shape[3]
-        if n <= cap:
-            return
         P = self.block_size
-        new_cap = max(-(-n // P) * P, 2 * cap)
-        for name in ("tail_k", "tail_v"):
-            t = getattr(self, name)
-            grown = t.new_zeros(*t.shape[:3], new_cap, t.shape[4])
-            grown[:, :, :, :cap] = t
-            setattr(self, name, grown)
+        for seg in self.segments:
+            cap = seg.tail_k.shape[3]
+            if n <= cap:
+                continue
+            new_cap = max(-(-n // P) * P, 2 * cap)
+            for name in ("tail_k", "tail_v"):
+                t = getattr(seg, name)
+                grown = t.new_zeros(*t.shape[:3], new_cap, t.shape[4])
+                grown[:, :, :, :cap] = t
+                setattr(seg, name, grown)
 
     # ------------------------------------------------------------------ append / seal
     @_storage_op
@@ -251,24 +328,28 @@ class PagedKVCache:
             self._init_storage(k, B)
         elif self.batch_size == 0:
             self.tables.ensure_rows(B)
-            self.tail_k = self.tail_k.new_zeros(self.num_layers, B, *self.tail_k.shape[2:])
-            self.tail_v = torch.zeros_like(self.tail_k)
+            for seg in self.segments:
+                seg.tail_k = seg.tail_k.new_zeros(seg.tail_k.shape[0], B, *seg.tail_k.shape[2:])
+                seg.tail_v = torch.zeros_like(seg.tail_k)
         if B != self.batch_size:
             raise ValueError(f"append: batch of {B} rows, but the cache holds {self.batch_size}; reorder/select rows first")
+        seg, i = self._where[layer]
+        if not _on(k, seg.device):
+            raise ValueError(f"append: layer {layer}'s keys are on {k.device}, but its pages live on {seg.device}")
         if layer == 0:
             self._begin_step(C)
         t0 = self.tail_len[layer]
-        if layer != 0 and t0 + C > self.tail_k.shape[3]:
+        if layer != 0 and t0 + C > seg.tail_k.shape[3]:
             raise RuntimeError(f"append: layer {layer} got tokens before layer 0 started the step")
         step = self.device_step
         if step is not None and step.recording:  # a recorded step: the slot comes from the device
             if C != 1:
                 raise ValueError(f"append: a step recorded for CUDA graphs takes one token a row, got {C}")
-            self.tail_k[layer].index_copy_(2, step.slot, k.to(self.dtype))
-            self.tail_v[layer].index_copy_(2, step.slot, v.to(self.dtype))
+            seg.tail_k[i].index_copy_(2, step.slot, k.to(self.dtype))
+            seg.tail_v[i].index_copy_(2, step.slot, v.to(self.dtype))
         else:
-            self.tail_k[layer, :, :, t0 : t0 + C] = k.to(self.dtype)
-            self.tail_v[layer, :, :, t0 : t0 + C] = v.to(self.dtype)
+            seg.tail_k[i, :, :, t0 : t0 + C] = k.to(self.dtype)
+            seg.tail_v[i, :, :, t0 : t0 + C] = v.to(self.dtype)
         self.tail_len[layer] = t0 + C
 
     def _begin_step(self, new_tokens: int) -> None:
@@ -315,15 +396,20 @@ class PagedKVCache:
         if all(len(g) == 1 for g in groups):  # nothing left to share (batch 1, or split rows)
             return groups
         P = self.block_size
-        kb, vb = self.tail_k[:, :, :, start : start + P], self.tail_v[:, :, :, start : start + P]
-        sig = (kb.float().sum(dim=(0, 2, 3, 4)) + 3.0 * vb.float().sum(dim=(0, 2, 3, 4))).tolist()
+        blocks = [(seg.tail_k[:, :, :, start : start + P], seg.tail_v[:, :, :, start : start + P]) for seg in self.segments]
+        sigs = [(kb.float().sum(dim=(0, 2, 3, 4)) + 3.0 * vb.float().sum(dim=(0, 2, 3, 4))).tolist() for kb, vb in blocks]
+        sig = [tuple(s[r] for s in sigs) for r in range(self.batch_size)]
+
+        def equal(a: int, r: int) -> bool:
+            return all(torch.equal(kb[:, r], kb[:, a]) and torch.equal(vb[:, r], vb[:, a]) for kb, vb in blocks)
+
         out = []
         for group in groups:
             reps: list[list[int]] = []
             for r in group:
                 for rep in reps:
                     a = rep[0]
-                    if sig[a] == sig[r] and torch.equal(kb[:, r], kb[:, a]) and torch.equal(vb[:, r], vb[:, a]):
+                    if sig[a] == sig[r] and equal(a, r):
                         rep.append(r)
                         break
                 else:
@@ -375,9 +461,9 @@ class PagedKVCache:
         rep_rows = [[g[0] for g in groups] for groups in plan]
         sink_sel = [(j, r) for j, reps in enumerate(rep_rows) if nb0 + j < self.config.sink_blocks for r in reps]
         quant_sel = [(j, r) for j, reps in enumerate(rep_rows) if nb0 + j >= self.config.sink_blocks for r in reps]
-        blocks_k = self.tail_k[:, :, :, : n * P].unflatten(3, (n, P))  # [L, B, H, n, P, D]
-        blocks_v = self.tail_v[:, :, :, : n * P].unflatten(3, (n, P))
-        if not bool(torch.isfinite(blocks_k).all() & torch.isfinite(blocks_v).all()):
+        blocks = {id(seg): (seg.tail_k[:, :, :, : n * P].unflatten(3, (n, P)), seg.tail_v[:, :, :, : n * P].unflatten(3, (n, P)))
+                  for seg in self.segments}  # each [layers, B, H, n, P, D]
+        if not all(bool(torch.isfinite(k).all() & torch.isfinite(v).all()) for k, v in blocks.values()):
             raise ValueError("cannot seal keys/values: some are NaN or Inf; the model produced non-finite values, nothing was sealed")
         # 3. Quantize every layer's new blocks straight into the pools at newly allocated
         # slots; the tables do not reference them yet, so a failure here frees the slots and
@@ -387,7 +473,7 @@ class PagedKVCache:
         try:
             self.grow_pools()
             if quant_sel:
-                self._quantize_into(quant_sel, quant_ids, blocks_k, blocks_v)
+                self._quantize_into(quant_sel, quant_ids, blocks)
         except BaseException:
             for alloc, new_ids in ((self.sink_alloc, sink_ids), (self.block_alloc, quant_ids)):
                 for bid in new_ids:
@@ -403,27 +489,30 @@ class PagedKVCache:
                 ids = quant_ids[qi : qi + len(groups)]
                 qi += len(groups)
             self.tables.push(groups, ids)
-        if sink_sel:
-            js = _index([j for j, _ in sink_sel], self.device)
-            rs = _index([r for _, r in sink_sel], self.device)
-            ids = _index(sink_ids, self.device)
-            # [L, B, H, n, P, D] -> [B, n, L, H, P, D] -> picked [M, L, H, P, D] -> [L, M, H, P, D]
-            self.sink_k[:, ids] = blocks_k.permute(1, 3, 0, 2, 4, 5)[rs, js].transpose(0, 1)
-            self.sink_v[:, ids] = blocks_v.permute(1, 3, 0, 2, 4, 5)[rs, js].transpose(0, 1)
         rest = T0 - n * P
-        if rest:
-            self.tail_k[:, :, :, :rest] = self.tail_k[:, :, :, n * P : T0].clone()
-            self.tail_v[:, :, :, :rest] = self.tail_v[:, :, :, n * P : T0].clone()
-        if self.tail_k.shape[3] > P:  # a long append's room goes back: between forwards the tails hold under a block
-            self.tail_k = self.tail_k[:, :, :, :P].clone()
-            self.tail_v = self.tail_v[:, :, :, :P].clone()
+        for seg in self.segments:
+            if sink_sel:
+                js = _index([j for j, _ in sink_sel], seg.device)
+                rs = _index([r for _, r in sink_sel], seg.device)
+                ids = _index(sink_ids, seg.device)
+                blocks_k, blocks_v = blocks[id(seg)]
+                # [l, B, H, n, P, D] -> [B, n, l, H, P, D] -> picked [M, l, H, P, D] -> [l, M, H, P, D]
+                seg.sink_k[:, ids] = blocks_k.permute(1, 3, 0, 2, 4, 5)[rs, js].transpose(0, 1)
+                seg.sink_v[:, ids] = blocks_v.permute(1, 3, 0, 2, 4, 5)[rs, js].transpose(0, 1)
+            if rest:
+                seg.tail_k[:, :, :, :rest] = seg.tail_k[:, :, :, n * P : T0].clone()
+                seg.tail_v[:, :, :, :rest] = seg.tail_v[:, :, :, n * P : T0].clone()
+            if seg.tail_k.shape[3] > P:  # a long append's room goes back: between forwards the tails hold under a block
+                seg.tail_k = seg.tail_k[:, :, :, :P].clone()
+                seg.tail_v = seg.tail_v[:, :, :, :P].clone()
         self.tail_len = [rest] * self.num_layers
         self.seals += n_sink_new + n_quant_new
-        old, self._table_tensor = self._table_tensor, None
+        old, self._tables = self._tables, {}
         hc = self.tables.host_columns  # (device tables skip the host columns)
-        if old is not None and tuple(old.shape) == (len(self.tables.rows), nb0 - hc):  # append the n new columns
-            new = _index([row[nb0:] for row in self.tables.rows], self.device, torch.int32).reshape(len(self.tables.rows), n)
-            self._table_tensor = torch.cat([old, new], 1)
+        for device, table in old.items():
+            if tuple(table.shape) == (len(self.tables.rows), nb0 - hc):  # append the n new columns
+                new = _index([row[nb0:] for row in self.tables.rows], device, torch.int32).reshape(len(self.tables.rows), n)
+                self._tables[device] = torch.cat([table, new], 1)
         if self.device_step is not None:  # the recorded steps' table: the new columns in place, or dropped when full
             step, nb = self.device_step, self.num_blocks - hc
             if nb <= step.table.shape[1]:
@@ -455,33 +544,40 @@ class PagedKVCache:
             return 0
         self.host.prepare()  # (a failed pinned allocation raises here: nothing moved)
         self.host.store(t.spill(cols))
-        self._table_tensor = None
+        self._tables = {}
         self.device_step = None
         return freed
 
-    def _quantize_into(self, sel: list[tuple[int, int]], ids: list[int], blocks_k: torch.Tensor, blocks_v: torch.Tensor) -> None:
-        """Quantize the tail blocks sel = [(logical block j, row r)] of every layer into the
-        pools at slots ids (one launch per layer on the triton backend)."""
-        slots = _index(ids, self.device)
-        if len(sel) == 1:  # the decode step's case: one block, read in place from the tail (a view)
-            (j, r), = sel
-            rs, js = slice(r, r + 1), j
-        else:
-            js = _index([j for j, _ in sel], self.device)
-            rs = _index([r for _, r in sel], self.device)
-        for l, pages in enumerate(self.pages):  # blocks [B, H, n, P, D] -> [M, H, P, D]
-            quantize_blocks_into(pages, slots, blocks_k[l][rs, :, js], blocks_v[l][rs, :, js], backend=self.config.backend, checked=True)
+    def _quantize_into(self, sel: list[tuple[int, int]], ids: list[int], blocks: dict) -> None:
+        """Quantize the tail blocks sel = [(logical block j, row r)] of every layer (blocks:
+        each segment's [layers, B, H, n, P, D]) into the pools at slots ids (one launch per
+        layer on the triton backend)."""
+        for seg in self.segments:
+            slots = _index(ids, seg.device)
+            if len(sel) == 1:  # the decode step's case: one block, read in place from the tail (a view)
+                (j, r), = sel
+                rs, js = slice(r, r + 1), j
+            else:
+                js = _index([j for j, _ in sel], seg.device)
+                rs = _index([r for _, r in sel], seg.device)
+            blocks_k, blocks_v = blocks[id(seg)]
+            for i, layer in enumerate(seg.layers):  # blocks [B, H, n, P, D] -> [M, H, P, D]
+                quantize_blocks_into(self.pages[layer], slots, blocks_k[i][rs, :, js], blocks_v[i][rs, :, js],
+                                     backend=self.config.backend, checked=True)
 
     # ------------------------------------------------------------------ read
-    def block_table(self) -> torch.Tensor:
-        """int32 [B, n]: the device-resident blocks of each row: the sinks' ids (sink_blocks
-        columns, or fewer while the rows are shorter), then the device pages' ids; with a host
-        tier the host columns between them are left out (n = num_blocks - host columns)."""
-        if self._table_tensor is None:
+    def block_table(self, device: torch.device | None = None) -> torch.Tensor:
+        """int32 [B, n] on `device` (default: the first layer's): the device-resident blocks of
+        each row: the sinks' ids (sink_blocks columns, or fewer while the rows are shorter),
+        then the device pages' ids; with a host tier the host columns between them are left
+        out (n = num_blocks - host columns). One copy a device, kept until the tables change."""
+        device = self.device if device is None else device
+        table = self._tables.get(device)
+        if table is None:
             t = self.tables
             rows = [row[: t.sink_blocks] + row[t.host_upto :] for row in t.rows] if t.host_columns else t.rows
-            self._table_tensor = _index(rows, self.device, torch.int32).reshape(len(rows), self.num_blocks - t.host_columns)
-        return self._table_tensor
+            table = self._tables[device] = _index(rows, device, torch.int32).reshape(len(rows), self.num_blocks - t.host_columns)
+        return table
 
     @contextlib.contextmanager
     def static_step(self, slot: torch.Tensor, length: torch.Tensor, start: torch.Tensor | None = None):
@@ -499,6 +595,7 @@ class PagedKVCache:
         attention mask to read it from (reading one waits on the host)."""
         if not self.initialized or self.batch_size == 0:
             raise RuntimeError("static_step: the cache holds no rows yet; prefill first")
+        self._one_device("static_step")
         if len(set(self.tail_len)) != 1 or self.tail_len[0] >= self.block_size:
             raise RuntimeError(f"static_step: tails of {sorted(set(self.tail_len))} tokens; a step records on equal tails shorter than a block (seal first)")
         if slot.dtype != torch.int64 or length.dtype != torch.int32 or slot.numel() != 1 or length.numel() != 1:
@@ -523,6 +620,7 @@ class PagedKVCache:
         rows moves its rows in place. When it is full, when the row count changes, and on a
         crop or reset, it is dropped and the next call makes a new one (so does a graph
         decoder: a new table is a new recording)."""
+        self._one_device("graph_table")
         nb = self.num_blocks - self.tables.host_columns
         if self.device_step is None:
             width = max(1, nb + max(GRAPH_ROOM[0], nb // GRAPH_ROOM[1]))
@@ -534,6 +632,11 @@ class PagedKVCache:
             self.device_step = DeviceStep(table, count)
         return self.device_step.table, self.device_step.count
 
+    def _one_device(self, what: str) -> None:
+        if len(self.devices) > 1:
+            raise RuntimeError(f"{what}: the cache's layers live on {', '.join(map(str, self.devices))}; a recorded step "
+                               "runs on one device")
+
     def view(self, layer: int) -> PagedView:
         """The device-resident part of `layer`: sinks, device pages (`block_table`) and tail.
         Without host columns that is the whole sequence at its positions; with them, the view
@@ -542,18 +645,19 @@ class PagedKVCache:
         # length, all on the device; the kernel clamps the sinks to the count)
         step = self.device_step
         static = step is not None and step.recording
+        seg, i = self._where[layer]
         t = self.block_size if static else self.tail_len[layer]
-        table, count = (step.table, step.count) if static else (self.block_table(), None)
+        table, count = (step.table, step.count) if static else (self.block_table(seg.device), None)
         S, hc = self.config.sink_blocks, self.tables.host_columns
         shared = self.tables.shared_runs[1]
         return PagedView(
             pages=self.pages[layer],
-            sink_k=self.sink_k[layer],
-            sink_v=self.sink_v[layer],
+            sink_k=seg.sink_k[i],
+            sink_v=seg.sink_v[i],
             block_table=table,
             n_sink=S if static else min(S, self.num_blocks),
-            tail_k=self.tail_k[layer, :, :, :t],
-            tail_v=self.tail_v[layer, :, :, :t],
+            tail_k=seg.tail_k[i, :, :, :t],
+            tail_v=seg.tail_v[i, :, :, :t],
             tail_len=step.length if static else None,
             n_blocks=count,
             shared=shared if shared <= S or not hc else S + max(0, shared - S - hc),
@@ -608,23 +712,25 @@ class PagedKVCache:
         self.tables.select(picked)
         if self.host is not None and (len(picked) != rows or self.tables.common < self.tables.host_upto):
             self.host.invalidate()  # (the rows' host columns changed, unless every row holds them alike)
-        idx = idx.to(self.device)
-        if self._table_tensor is not None:  # (its rows follow on the device: rebuilt from the host's lists, 2,048 ids cost ~0.3 ms of host time)
-            self._table_tensor = self._table_tensor.index_select(0, idx)
-        if idx.numel() == self.tail_k.shape[1]:  # as many rows (beams each step): in place, the tokens the tails hold only
+        on = {device: idx.to(device) for device in self.devices}
+        # (the tables' rows follow on each device: rebuilt from the host's lists, 2,048 ids cost ~0.3 ms of host time)
+        self._tables = {device: table.index_select(0, on[device]) for device, table in self._tables.items()}
+        if idx.numel() == rows:  # as many rows (beams each step): in place, the tokens the tails hold only
             t = max(self.tail_len)  # (a prefill's chunk may have left room for thousands)
-            if t:
-                self.tail_k[:, :, :, :t] = self.tail_k[:, :, :, :t].index_select(1, idx)
-                self.tail_v[:, :, :, :t] = self.tail_v[:, :, :, :t].index_select(1, idx)
+            for seg in self.segments:
+                if t:
+                    seg.tail_k[:, :, :, :t] = seg.tail_k[:, :, :, :t].index_select(1, on[seg.device])
+                    seg.tail_v[:, :, :, :t] = seg.tail_v[:, :, :, :t].index_select(1, on[seg.device])
             if self.device_step is not None:  # (its rows follow: a decode graph goes on)
                 table = self.device_step.table
-                table.copy_(table.index_select(0, idx))
+                table.copy_(table.index_select(0, on[self.device]))
                 now = self.tables.shared_runs
                 if now[0] != runs[0] or now[1] < runs[1]:  # (a recorded step reads each run's shared blocks once: record anew)
                     self.device_step = None
             return
-        self.tail_k = self.tail_k.index_select(1, idx)
-        self.tail_v = self.tail_v.index_select(1, idx)
+        for seg in self.segments:
+            seg.tail_k = seg.tail_k.index_select(1, on[seg.device])
+            seg.tail_v = seg.tail_v.index_select(1, on[seg.device])
         self.device_step = None
 
     def reorder(self, beam_idx) -> None:
@@ -667,11 +773,12 @@ class PagedKVCache:
                     view.n_sink = int(j < t.sink_blocks)
                     view.shared = 0
                 k, v = gather_dequant(view, out_dtype=self.dtype)
-                self.tail_k[l, :, :, :keep] = k[:, :, :keep]
-                self.tail_v[l, :, :, :keep] = v[:, :, :keep]
+                tail_k, tail_v = self.tails(l)
+                tail_k[:, :, :keep] = k[:, :, :keep]
+                tail_v[:, :, :keep] = v[:, :, :keep]
         self.tables.truncate(keep_blocks)
         self.tail_len = [keep] * self.num_layers
-        self._table_tensor = None
+        self._tables = {}
         self.device_step = None
         if self.host is not None:
             self.host.invalidate()
@@ -680,7 +787,7 @@ class PagedKVCache:
         """Drop every row and token; pools keep their memory for reuse."""
         self.tables.clear()
         self.tail_len = [0] * self.num_layers
-        self._table_tensor = None
+        self._tables = {}
         self.device_step = None
         if self.host is not None:
             self.host.invalidate()

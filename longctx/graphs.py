@@ -102,6 +102,10 @@ class GraphDecoder:
             return str(e)
         if backend != "triton":
             return f"CUDA-graph decoding needs the triton backend (the kernel reads the tail's length on the device), this cache runs {backend!r}"
+        if paged.layer_devices is not None and len(set(paged.layer_devices)) > 1:
+            return ("a model split over several devices decodes eagerly: accelerate's hooks move the hidden states from card to card "
+                    "inside the forward, and a CUDA graph records the stream of one device; a graph a card needs the forward cut "
+                    "at each hop, which longctx does not do yet")
         if paged.host is not None:
             return ("a cache with a host tier decodes eagerly: its steps copy the host pages across the link on a second stream, "
                     "ordered by events from step to step, which a replayed graph cannot follow; at the contexts a host tier serves "
@@ -120,7 +124,8 @@ class GraphDecoder:
         paged = self.paged
         table = paged.device_step.table if paged.device_step is not None else None
         pool = next(iter(paged.pages[0].tensors().values()))
-        return (tuple(paged.tail_len), paged.batch_size), (table, paged.tail_k, paged.sink_k, pool)
+        seg = paged.segments[0]
+        return (tuple(paged.tail_len), paged.batch_size), (table, seg.tail_k, seg.sink_k, pool)
 
     def _stale(self) -> bool:
         if self.graph is None or self._state is None:

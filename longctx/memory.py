@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -29,6 +29,9 @@ class MemoryReport:
     format: str = ""
     layers: int = 0
     host_reserved_bytes: int = 0  # the host tier's pinned pools
+    # a model split over several devices: the device tier's bytes held, and reserved, on each
+    bytes_by_device: dict[str, int] = field(default_factory=dict)
+    reserved_by_device: dict[str, int] = field(default_factory=dict)
 
     @property
     def ratio_to_bf16(self) -> float:
@@ -44,7 +47,13 @@ class MemoryReport:
         if not self.tokens:
             return f"KV cache ({self.format}, {self.layers} layers): empty"
         kinds = ", ".join(f"{kind} {_mib(n)}" for kind, n in self.bytes_by_kind.items() if n)
-        tiers = ", ".join(f"{self.device if tier == 'device' else tier} {_mib(n)}" for tier, n in self.bytes_by_tier.items() if n)
+
+        def place(tier: str, n: int) -> str:
+            if tier == "device" and len(self.bytes_by_device) > 1:
+                return ", ".join(f"{d} {_mib(b)}" for d, b in self.bytes_by_device.items())
+            return f"{self.device if tier == 'device' else tier} {_mib(n)}"
+
+        tiers = ", ".join(place(tier, n) for tier, n in self.bytes_by_tier.items() if n)
         return (f"KV cache ({self.format}, {self.layers} layers): {self.tokens:,} tokens x {self.rows} row{'s' * (self.rows != 1)}\n"
                 f"  blocks: {self.blocks['sink']} sink, {self.blocks['quantized']} quantized, {self.blocks['dense']} 16-bit\n"
                 f"  holds {_mib(self.total_bytes)} ({kinds}) on {tiers}; reserves {_mib(self.reserved_bytes)}"
@@ -84,10 +93,21 @@ def memory_report(cache) -> MemoryReport:
     kinds["tails"] = tail_bytes
     tiers["device"] += sink_bytes + tail_bytes
     total = sum(kinds.values())
-    reserved = sum(t.numel() * t.element_size() for p in cache.pages for t in p.tensors().values())
-    reserved += sum(t.numel() * t.element_size() for t in (cache.sink_k, cache.sink_v, cache.tail_k, cache.tail_v))
-    host_reserved, staging = cache.host.reserved_bytes() if cache.host is not None else (0, 0)
-    reserved += staging
+    by_device: dict[str, int] = {}
+    reserved_by: dict[str, int] = {}
+    tail = min(cache.tail_len)
+    for layer, (fmt, pages) in enumerate(zip(cache.formats, cache.pages)):
+        d = str(cache.layer_device(layer))
+        by_device[d] = by_device.get(d, 0) + sum(fmt.block_bytes().values()) * len(device_ids) + \
+            (len(sink_ids) * P + cache.batch_size * tail) * 2 * H * D * e
+        reserved_by[d] = reserved_by.get(d, 0) + sum(t.numel() * t.element_size() for t in pages.tensors().values())
+    for seg in cache.segments:
+        d = str(seg.device)
+        reserved_by[d] += sum(t.numel() * t.element_size() for t in (seg.sink_k, seg.sink_v, seg.tail_k, seg.tail_v))
+    host_reserved, staging = cache.host.reserved_bytes() if cache.host is not None else (0, {})
+    for d, n in staging.items():
+        reserved_by[d] += n
+    reserved = sum(reserved_by.values())
     tokens, rows = cache.seq_len(), cache.batch_size
     n_dense = sum(1 for f in cache.formats if f.k_bits == 16 and f.v_bits == 16)
     return MemoryReport(
@@ -100,8 +120,10 @@ def memory_report(cache) -> MemoryReport:
         reserved_bytes=reserved,
         bytes_per_token=total / (tokens * rows) if tokens and rows else 0.0,
         bf16_bytes_per_token=bf16_bpt,
-        device=str(cache.device),
+        device=", ".join(map(str, cache.devices)),
         format=cache.config.describe(),
         layers=L,
         host_reserved_bytes=host_reserved,
+        bytes_by_device=by_device,
+        reserved_by_device=reserved_by,
     )

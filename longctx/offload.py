@@ -6,14 +6,17 @@ oldest sealed columns of every row in the host tier (`BlockTables.spill`); this 
 their bytes and reads them:
 
 - `store(moves)` copies spilled pages from the device pools into the host pools (every layer,
-  on a side stream on CUDA; the compute stream waits for it before the freed device slots are
-  written again).
+  on a side stream of its device on CUDA; the compute stream waits for it before the freed
+  device slots are written again).
 - `parts(layer, q, start, scale, backend)` attends q over the layer's host pages: the host
   columns fall in slices of at most `stage_blocks` distinct pages; each slice's pages are
   copied into one of `RING` staging pools on a copy stream while the compute stream runs the
   attention kernel over the previous slice. Each slice gives (out, lse); the cache merges them
   with its device part. The copies run ahead across layers, so the link stays busy: a decode
   step costs about the host bytes over the pinned host-to-device bandwidth.
+
+A model split over several GPUs shares the one host pool; each device stages its own layers'
+slices, in a ring, copy stream and events of its own.
 
 On a CPU device the host pools are plain CPU tensors and the copies synchronous: the same
 planning and staging, which the CPU tests exercise.
@@ -80,38 +83,47 @@ def check_host_budget(host_bytes: int, what: str = "host tier") -> None:
 
 
 def offload_config(cfg, model, host_bytes: int, chunk: int):
-    """`cfg` with a host tier of `host_bytes` of pinned memory for `model` (on a CUDA device):
-    the device pool takes the GPU memory free now, less two staging slices and a reserve for
-    one chunk's activations (a tenth of it, at least 1 GiB); `max_blocks` already set (e.g. by
-    a context limit) is kept where smaller. Refuses a host budget the machine cannot pin."""
-    from .integrations.transformers import decoder_shape
+    """`cfg` with a host tier of `host_bytes` of pinned memory for `model` (on CUDA): the device
+    pool takes the GPU memory free now, less two staging slices and a reserve for one chunk's
+    activations (a tenth of it, at least 1 GiB); `max_blocks` already set (e.g. by a context
+    limit) is kept where smaller. A model split over several GPUs: each card holds its layers'
+    pages of every block id, so the card with the least room per block sets max_blocks.
+    Refuses a host budget the machine cannot pin."""
+    from .integrations.transformers import decoder_shape, layer_devices
 
-    if model.device.type != "cuda":
-        raise ValueError(f"a host tier holds pages off a CUDA GPU's memory; this model runs on {model.device.type}")
+    devices = layer_devices(model)
+    if any(d.type != "cuda" for d in devices):
+        raise ValueError(f"a host tier holds pages off a CUDA GPU's memory; this model runs on {', '.join(sorted({str(d) for d in devices}))}")
     layers, kv_heads, head_dim = decoder_shape(model.config)
     cfg = cfg.resolve(layers, head_dim)
-    per_block, per_layer = page_bytes(cfg, layers, kv_heads, head_dim, torch.float16)
-    staging = RING * stage_blocks_for(per_layer) * per_layer
-    free = torch.cuda.mem_get_info(model.device)[0]
-    device_blocks = (free - staging - max(2**30, free // 10)) // per_block
-    if device_blocks < -(-chunk // cfg.block_size):
-        raise ValueError(f"a host tier needs the GPU to hold a chunk's pages and {staging / 2**20:,.0f} MiB of staging; "
-                         f"{free / 2**30:,.2f} GiB is free")
+    sizes = [sum(cfg.block_format(l, head_dim, kv_heads, torch.float16).block_bytes().values()) for l in range(layers)]
+    device_blocks = None
+    for device in dict.fromkeys(devices):
+        mine = [n for n, d in zip(sizes, devices) if d == device]
+        per_block, per_layer = sum(mine), max(mine)
+        staging = RING * stage_blocks_for(max(sizes)) * per_layer
+        free = torch.cuda.mem_get_info(device)[0]
+        blocks = (free - staging - max(2**30, free // 10)) // per_block
+        if blocks < -(-chunk // cfg.block_size):
+            raise ValueError(f"a host tier needs {device} to hold a chunk's pages and {staging / 2**20:,.0f} MiB of staging; "
+                             f"{free / 2**30:,.2f} GiB is free")
+        device_blocks = blocks if device_blocks is None else min(device_blocks, blocks)
     if cfg.max_blocks is not None:
         device_blocks = min(device_blocks, cfg.max_blocks)
     check_host_budget(host_bytes, "--host-mem")
-    return dataclasses.replace(cfg, max_blocks=int(device_blocks), host_blocks=max(1, host_bytes // per_block))
+    return dataclasses.replace(cfg, max_blocks=int(device_blocks), host_blocks=max(1, host_bytes // sum(sizes)))
 
 
 @dataclasses.dataclass
 class Slice:
-    """Host columns [c0, c1) of every row, staged together: `table` [B, c1 - c0] int32 on the
-    device maps them to staging slots; `runs` [(first host id, count, first slot)] are the
-    copies that fill those slots (consecutive host ids go in one copy)."""
+    """Host columns [c0, c1) of every row, staged together: `tables` {device: [B, c1 - c0]
+    int32} map them to staging slots, on each device the layers live on; `runs` [(first host
+    id, count, first slot)] are the copies that fill those slots (consecutive host ids go in
+    one copy)."""
 
     c0: int
     c1: int
-    table: torch.Tensor
+    tables: dict
     runs: list[tuple[int, int, int]]
 
 
@@ -148,15 +160,15 @@ class HostTier:
         self.stage_blocks_asked = stage_blocks
         self.pages: list[Pages] = []  # per layer, allocated at host_blocks on the first spill
         self._slices: list[Slice] | None = None  # the staging plan; None: rebuild at the next read
-        self._stage: dict = {}  # (ring slot, format) -> Pages of stage_blocks slots on the device
-        self._cuda = False
-        self._copy = self._spill = None  # CUDA streams
-        self._ready: list = []  # per ring slot: the event its last fill recorded (copy stream)
-        self._free: list = []  # per ring slot: the event its last read recorded (compute stream)
+        self._stage: dict = {}  # (device, ring slot, format) -> Pages of stage_blocks slots on that device
+        self._copy: dict = {}  # CUDA device -> its copy stream (host -> staging)
+        self._spill: dict = {}  # CUDA device -> its spill stream (pools -> host)
+        self._ready: dict = {}  # (device, ring slot) -> the event its last fill recorded (copy stream)
+        self._free: dict = {}  # (device, ring slot) -> the event its last read recorded (compute stream)
         self._next = 0  # the next item of the step to fill ((layer, slice), layer-major)
-        self._filled: dict[int, int] = {}  # item -> ring slot holding it, filled and not read yet
-        self._turn = 0  # fills so far: the ring slot of the next one is _turn % RING
-        self._spilled = None  # event: the last spill's copies are done (device slots free to write)
+        self._filled: dict[int, int] = {}  # item -> ring slot holding it (on its layer's device), filled and not read yet
+        self._turn: dict = {}  # device -> fills so far: the ring slot of its next one is _turn % RING
+        self._spilled: dict = {}  # CUDA device -> event: its last spill's copies are done (device slots free to write)
         self._buffer: torch.Tensor | None = None  # the one host buffer every host pool is a view of
 
     # ---------------------------------------------------------------- sizes
@@ -166,10 +178,12 @@ class HostTier:
             return self.stage_blocks_asked
         return stage_blocks_for(max(sum(f.block_bytes().values()) for f in self.cache.formats), self.cache.batch_size)
 
-    def reserved_bytes(self) -> tuple[int, int]:
-        """(host bytes the pools hold, device bytes the staging pools hold)."""
+    def reserved_bytes(self) -> tuple[int, dict[str, int]]:
+        """(host bytes the pools hold, {device: bytes its staging pools hold})."""
         host = self._buffer.numel() if self._buffer is not None else 0
-        stage = sum(t.numel() * t.element_size() for p in self._stage.values() for t in p.tensors().values())
+        stage: dict[str, int] = {}
+        for (device, _, _), p in self._stage.items():
+            stage[str(device)] = stage.get(str(device), 0) + sum(t.numel() * t.element_size() for t in p.tensors().values())
         return host, stage
 
     # ---------------------------------------------------------------- storage
@@ -180,7 +194,7 @@ class HostTier:
         if self.pages:
             return
         cache = self.cache
-        self._cuda = cache.device.type == "cuda"
+        cuda = [d for d in cache.devices if d.type == "cuda"]
         fields, total = [], 0
         for layer, fmt in enumerate(cache.formats):
             for name, shape, dtype in cache.pool_fields(fmt, self.host_blocks):
@@ -188,7 +202,7 @@ class HostTier:
                 fields.append((layer, name, shape, dtype, total, n))
                 total += -(-n // ALIGN) * ALIGN
         try:
-            buf = pinned_buffer(total, self._cuda)
+            buf = pinned_buffer(total, bool(cuda))
         except (RuntimeError, MemoryError) as e:
             raise MemoryError(f"host tier: pinning {total / 2**30:,.2f} GiB failed ({e}); nothing was moved") from None
         pages = [Pages(fmt) for fmt in cache.formats]
@@ -196,34 +210,37 @@ class HostTier:
             setattr(pages[layer], name, buf[at : at + n].view(dtype).view(shape))
         self._buffer = buf
         self.pages = pages
-        if self._cuda:
-            self._copy, self._spill = torch.cuda.Stream(cache.device), torch.cuda.Stream(cache.device)
-            self._ready = [None] * RING
-            self._free = [None] * RING
+        for d in cuda:
+            self._copy[d], self._spill[d] = torch.cuda.Stream(d), torch.cuda.Stream(d)
 
     def store(self, moves: list[tuple[int, int]]) -> None:
-        """Copy device slots -> host slots for `moves` [(device id, host id)], every layer."""
+        """Copy device slots -> host slots for `moves` [(device id, host id)], every layer
+        (each device's layers on its spill stream)."""
         if not moves:
             return
         self.invalidate()
-        dev = torch.tensor([d for d, _ in moves], dtype=torch.int64)
+        ids = torch.tensor([d for d, _ in moves], dtype=torch.int64)
         runs = _runs([h for _, h in moves])
         cache = self.cache
-        if self._cuda:
-            self._spill.wait_stream(torch.cuda.current_stream(cache.device))  # (the pages were written there)
-        with torch.cuda.stream(self._spill) if self._cuda else _nothing():
-            dev = dev.to(cache.device)
-            for src, dst in zip(cache.pages, self.pages):
-                for name, t in src.tensors().items():
-                    picked = t.index_select(0, dev)  # [n, ...] in the moves' order
-                    host = getattr(dst, name)
-                    for h0, n, i0 in runs:
-                        host[h0 : h0 + n].copy_(picked[i0 : i0 + n], non_blocking=self._cuda)
-            if self._cuda:
-                self._spilled = torch.cuda.Event()
-                self._spilled.record(self._spill)
-        if self._cuda:  # the freed device slots are written next (a seal): after the copies read them
-            torch.cuda.current_stream(cache.device).wait_event(self._spilled)
+        for device in cache.devices:
+            cuda = device.type == "cuda"
+            if cuda:
+                self._spill[device].wait_stream(torch.cuda.current_stream(device))  # (the pages were written there)
+            with torch.cuda.stream(self._spill[device]) if cuda else _nothing():
+                dev = ids.to(device)
+                for layer in range(cache.num_layers):
+                    if cache.layer_device(layer) != device:
+                        continue
+                    for name, t in cache.pages[layer].tensors().items():
+                        picked = t.index_select(0, dev)  # [n, ...] in the moves' order
+                        host = getattr(self.pages[layer], name)
+                        for h0, n, i0 in runs:
+                            host[h0 : h0 + n].copy_(picked[i0 : i0 + n], non_blocking=cuda)
+                if cuda:
+                    self._spilled[device] = torch.cuda.Event()
+                    self._spilled[device].record(self._spill[device])
+            if cuda:  # the freed device slots are written next (a seal): after the copies read them
+                torch.cuda.current_stream(device).wait_event(self._spilled[device])
 
     # ---------------------------------------------------------------- reading
     def invalidate(self) -> None:
@@ -236,22 +253,21 @@ class HostTier:
         if self._slices is None:
             cache = self.cache
             t = cache.tables
-            device = cache.device
-            self._slices = [
-                Slice(c0, c1, torch.tensor(tab, dtype=torch.int32).reshape(len(tab), c1 - c0).to(device), runs)
-                for c0, c1, tab, runs in plan_slices(t.rows, t.sink_blocks, t.host_upto, self.stage_blocks)
-            ]
+            self._slices = []
+            for c0, c1, tab, runs in plan_slices(t.rows, t.sink_blocks, t.host_upto, self.stage_blocks):
+                table = torch.tensor(tab, dtype=torch.int32).reshape(len(tab), c1 - c0)
+                self._slices.append(Slice(c0, c1, {d: table.to(d) for d in cache.devices}, runs))
             self._filled.clear()
             self._next = 0
         return self._slices
 
-    def _stage_pages(self, slot: int, fmt) -> Pages:
-        key = (slot, fmt)
+    def _stage_pages(self, device: torch.device, slot: int, fmt) -> Pages:
+        key = (device, slot, fmt)
         if key not in self._stage:
             p = Pages(fmt)
             with torch.inference_mode(False):
                 for name, shape, dtype in self.cache.pool_fields(fmt, self.stage_blocks):
-                    setattr(p, name, torch.empty(shape, dtype=dtype, device=self.cache.device))
+                    setattr(p, name, torch.empty(shape, dtype=dtype, device=device))
             self._stage[key] = p
         return self._stage[key]
 
@@ -261,23 +277,26 @@ class HostTier:
         slices = self.slices()
         n = len(slices)
         layer, s = divmod(g % (n * self.cache.num_layers), n)
-        slot = self._turn % RING
-        self._turn += 1
-        dst = self._stage_pages(slot, self.cache.formats[layer])
+        device = self.cache.layer_device(layer)
+        cuda = device.type == "cuda"
+        turn = self._turn.get(device, 0)
+        slot = turn % RING
+        self._turn[device] = turn + 1
+        dst = self._stage_pages(device, slot, self.cache.formats[layer])
         src = self.pages[layer]
-        with torch.cuda.stream(self._copy) if self._cuda else _nothing():
-            if self._cuda and self._free[slot] is not None:
-                self._copy.wait_event(self._free[slot])  # (the kernel that read the slot before is done)
-            if self._cuda and self._spilled is not None:
-                self._copy.wait_event(self._spilled)  # (the pages the last spill is still writing)
+        with torch.cuda.stream(self._copy[device]) if cuda else _nothing():
+            if cuda and self._free.get((device, slot)) is not None:
+                self._copy[device].wait_event(self._free[device, slot])  # (the kernel that read the slot before is done)
+            if cuda and device in self._spilled:
+                self._copy[device].wait_event(self._spilled[device])  # (the pages the last spill is still writing)
             for name, t in src.tensors().items():
                 d = getattr(dst, name)
                 for h0, cnt, i0 in slices[s].runs:
-                    d[i0 : i0 + cnt].copy_(t[h0 : h0 + cnt], non_blocking=self._cuda)
-            if self._cuda:
+                    d[i0 : i0 + cnt].copy_(t[h0 : h0 + cnt], non_blocking=cuda)
+            if cuda:
                 ev = torch.cuda.Event()
-                ev.record(self._copy)
-                self._ready[slot] = ev
+                ev.record(self._copy[device])
+                self._ready[device, slot] = ev
         self._filled[g] = slot
 
     def parts(self, layer: int, q: torch.Tensor, start: torch.Tensor | None, scale: float | None, backend: str):
@@ -293,8 +312,11 @@ class HostTier:
         cache = self.cache
         n, L, P = len(slices), cache.num_layers, cache.block_size
         B, H, D = q.shape[0], cache.num_kv_heads, cache.head_dim
-        empty = cache.tail_k.new_empty(B, H, 0, D)
-        ahead = RING if self._cuda else 1
+        device = cache.layer_device(layer)
+        cuda = device.type == "cuda"
+        empty = torch.empty(B, H, 0, D, dtype=cache.dtype, device=device)
+        sink_k, sink_v = cache.sinks(layer)
+        ahead = RING if cuda else 1
         out = []
         for s, sl in enumerate(slices):
             g = layer * n + s
@@ -305,16 +327,16 @@ class HostTier:
                 self._fill(self._next)
                 self._next += 1
             slot = self._filled.pop(g)
-            if self._cuda:
-                torch.cuda.current_stream(cache.device).wait_event(self._ready[slot])
-            view = PagedView(pages=self._stage_pages(slot, cache.formats[layer]), sink_k=cache.sink_k[layer],
-                             sink_v=cache.sink_v[layer], block_table=sl.table, n_sink=0, tail_k=empty, tail_v=empty)
+            if cuda:
+                torch.cuda.current_stream(device).wait_event(self._ready[device, slot])
+            view = PagedView(pages=self._stage_pages(device, slot, cache.formats[layer]), sink_k=sink_k, sink_v=sink_v,
+                             block_table=sl.tables[device], n_sink=0, tail_k=empty, tail_v=empty)
             local = None if start is None else (start - sl.c0 * P).clamp(min=0).to(start.dtype)
             out.append(paged_attention(q, view, start=local, scale=scale, backend=backend))
-            if self._cuda:
+            if cuda:
                 ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(cache.device))
-                self._free[slot] = ev
+                ev.record(torch.cuda.current_stream(device))
+                self._free[device, slot] = ev
         if layer == L - 1:  # the step's last read: what was filled ahead is the next step's
             self._filled = {g - n * L: slot for g, slot in self._filled.items() if g >= n * L}
             self._next = max(0, self._next - n * L)
@@ -324,8 +346,9 @@ class HostTier:
         """A view of host columns [c0, c1) of `layer` (every row) on the device, staged in a
         pool of its own: for reads off the step's path (crop, dense)."""
         cache = self.cache
-        if self._spilled is not None:
-            self._spilled.synchronize()  # (read on the host: the last spill's copies must have landed)
+        for ev in self._spilled.values():
+            ev.synchronize()  # (read on the host: the last spills' copies must have landed)
+        device = cache.layer_device(layer)
         rows = [row[c0:c1] for row in cache.tables.rows]
         ids = sorted({bid for row in rows for bid in row})
         slot = {bid: i for i, bid in enumerate(ids)}
@@ -333,11 +356,11 @@ class HostTier:
         pages = Pages(fmt)
         index = torch.tensor(ids, dtype=torch.int64)
         for name, t in self.pages[layer].tensors().items():
-            setattr(pages, name, t.index_select(0, index).to(cache.device))
-        table = torch.tensor([[slot[b] for b in row] for row in rows], dtype=torch.int32).reshape(len(rows), c1 - c0).to(cache.device)
-        empty = cache.tail_k.new_empty(len(rows), cache.num_kv_heads, 0, cache.head_dim)
-        return PagedView(pages=pages, sink_k=cache.sink_k[layer], sink_v=cache.sink_v[layer], block_table=table, n_sink=0,
-                         tail_k=empty, tail_v=empty)
+            setattr(pages, name, t.index_select(0, index).to(device))
+        table = torch.tensor([[slot[b] for b in row] for row in rows], dtype=torch.int32).reshape(len(rows), c1 - c0).to(device)
+        empty = torch.empty(len(rows), cache.num_kv_heads, 0, cache.head_dim, dtype=cache.dtype, device=device)
+        sink_k, sink_v = cache.sinks(layer)
+        return PagedView(pages=pages, sink_k=sink_k, sink_v=sink_v, block_table=table, n_sink=0, tail_k=empty, tail_v=empty)
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:

@@ -148,8 +148,9 @@ def save(cache, path: str | os.PathLike, token_ids, model=None, identity: dict |
     if len(set(cache.tail_len)) != 1:
         raise RuntimeError("save: the layers hold different lengths (a forward is under way); save between forwards")
     cache.seal()  # (full tail blocks as pages, as the next forward would: what memory_report counts)
-    if cache.device.type == "cuda":  # (a spill's copies to the host tier run on a side stream)
-        torch.cuda.synchronize(cache.device)
+    for device in cache.devices:  # (a spill's copies to the host tier run on a side stream)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     rows, tokens = cache.batch_size, cache.seq_len()
     if tuple(ids.shape) != (rows, tokens):
         raise ValueError(f"save: the cache holds {rows} row(s) of {tokens:,} tokens, the token ids are {tuple(ids.shape)}")
@@ -165,13 +166,14 @@ def save(cache, path: str | os.PathLike, token_ids, model=None, identity: dict |
                            for j, bid in enumerate(row)] for row in t.rows], dtype=torch.int32).reshape(rows, t.num_blocks)
     tail = cache.tail_len[0]
     L, H, P, D = cache.num_layers, cache.num_kv_heads, cache.block_size, cache.head_dim
-    sink_ids = torch.tensor(sinks, dtype=torch.int64, device=cache.device)
+    segs = cache.segments  # (layer-major: each segment's layers in turn)
+    sink_ids = torch.tensor(sinks, dtype=torch.int64)
     entries = [("token_ids", torch.int64, tuple(ids.shape), lambda: [ids]),
                ("tables", torch.int32, tuple(table.shape), lambda: [table]),
-               ("sinks.k", cache.dtype, (L, len(sinks), H, P, D), lambda: [cache.sink_k.index_select(1, sink_ids)]),
-               ("sinks.v", cache.dtype, (L, len(sinks), H, P, D), lambda: [cache.sink_v.index_select(1, sink_ids)]),
-               ("tails.k", cache.dtype, (L, rows, H, tail, D), lambda: [cache.tail_k[:, :, :, :tail]]),
-               ("tails.v", cache.dtype, (L, rows, H, tail, D), lambda: [cache.tail_v[:, :, :, :tail]])]
+               ("sinks.k", cache.dtype, (L, len(sinks), H, P, D), lambda: [s.sink_k.index_select(1, sink_ids.to(s.device)) for s in segs]),
+               ("sinks.v", cache.dtype, (L, len(sinks), H, P, D), lambda: [s.sink_v.index_select(1, sink_ids.to(s.device)) for s in segs]),
+               ("tails.k", cache.dtype, (L, rows, H, tail, D), lambda: [s.tail_k[:, :, :, :tail] for s in segs]),
+               ("tails.v", cache.dtype, (L, rows, H, tail, D), lambda: [s.tail_v[:, :, :, :tail] for s in segs])]
     for layer, name, shape, dtype in _fields(cache):
         entries.append((f"layers.{layer}.{name}", dtype, (len(pages), *shape), _page_slices(cache, pages, layer, name)))
     metadata = {"format": FORMAT, "version": str(VERSION), "config": json.dumps(dataclasses.asdict(cache.config)),
@@ -189,12 +191,12 @@ def _page_slices(cache, pages: list[tuple[str, int]], layer: int, name: str):
         step = _per_slice(pool[0].numel() * pool.element_size() if pool.shape[0] else 1)
         for a in range(0, len(pages), step):
             part = pages[a : a + step]
-            out = torch.empty((len(part), *pool.shape[1:]), dtype=pool.dtype, device=cache.device)
+            out = torch.empty((len(part), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
             for tier, src in (("device", pool), ("host", host)):
                 at = [i for i, (t, _) in enumerate(part) if t == tier]
                 if at:
                     ids = torch.tensor([part[i][1] for i in at], dtype=torch.int64, device=src.device)
-                    out[torch.tensor(at, device=cache.device)] = src.index_select(0, ids).to(cache.device)
+                    out[torch.tensor(at, device=pool.device)] = src.index_select(0, ids).to(pool.device)
             yield out
 
     return slices
@@ -382,13 +384,15 @@ def _restore(cache, path: Path, info: CacheFileInfo, read, table: torch.Tensor, 
         k, v = read("sinks.k"), read("sinks.v")
         _verify(path, "sinks.k", k, sums)
         _verify(path, "sinks.v", v, sums)
-        at = torch.tensor([bid for _, (_, bid) in sinks], device=device)
-        cache.sink_k[:, at] = k.to(device, dtype)
-        cache.sink_v[:, at] = v.to(device, dtype)
+        at = torch.tensor([bid for _, (_, bid) in sinks])
+        for seg in cache.segments:
+            layers = slice(seg.layers.start, seg.layers.stop)
+            seg.sink_k[:, at.to(seg.device)] = k[layers].to(seg.device, dtype)
+            seg.sink_v[:, at.to(seg.device)] = v[layers].to(seg.device, dtype)
     k, v = read("tails.k"), read("tails.v")
     _verify(path, "tails.k", k, sums)
     _verify(path, "tails.v", v, sums)
-    cache.set_tails(k.to(device, dtype), v.to(device, dtype))
+    cache.set_tails(k.to(dtype=dtype), v.to(dtype=dtype))
     # the pages, a slice at a time, into their tier
     order = [page_new[i] for i in range(len(page_new))]
     for layer, name, shape, fdtype in _fields(cache):
@@ -401,7 +405,7 @@ def _restore(cache, path: Path, info: CacheFileInfo, read, table: torch.Tensor, 
             part = read(key, a, min(len(order), a + step))  # (the file's bytes: the checksum's)
             if (part.dtype == torch.uint8) != (fdtype == torch.uint8):
                 raise CacheFileError(f"{path}: {key} holds {part.dtype}, not this format's {fdtype}; the file is damaged")
-            dev = part.to(device)
+            dev = part.to(pool.device)
             check.add(dev)
             for tier, dst, src in (("device", pool, dev), ("host", host, part)):
                 at = [i for i, (t_, _) in enumerate(order[a : a + step]) if t_ == tier]

@@ -87,18 +87,18 @@ def test_reorder_in_place_moves_the_held_tokens_and_the_graph_table():
     k, v = random_kv(3, 2, 80, 64, seed=9)
     step(cache, k, v)  # (a chunk of 80: the tails' room outlasts the seal)
     step(cache, k[:, :, :1], v[:, :, :1])
-    tail_k, table = cache.tail_k, cache.graph_table()[0]
+    tail_k, table = cache.segments[0].tail_k, cache.graph_table()[0]
     held = max(cache.tail_len)
     assert 0 < held < tail_k.shape[3]
     room = tail_k[:, :, :, held:].clone()
     want_k = tail_k[:, :, :, :held].index_select(1, torch.tensor([2, 2, 0])).clone()
     want_t = table.index_select(0, torch.tensor([2, 2, 0]))
     cache.reorder(torch.tensor([2, 2, 0]))
-    assert cache.tail_k is tail_k and cache.graph_table()[0] is table
+    assert cache.segments[0].tail_k is tail_k and cache.graph_table()[0] is table
     assert torch.equal(tail_k[:, :, :, :held], want_k) and torch.equal(tail_k[:, :, :, held:], room)
     assert torch.equal(table, want_t) and torch.equal(table[:, : cache.num_blocks], cache.block_table())
     cache.fork(0)
-    assert cache.tail_k is not tail_k and cache.device_step is None and cache.batch_size == 4
+    assert cache.segments[0].tail_k is not tail_k and cache.device_step is None and cache.batch_size == 4
     cache.tables.check()
 
 
@@ -241,7 +241,7 @@ def test_block_table_grows_by_columns_and_matches_the_rows():
     for n in (40, 1, 30, 17, 1, 64, 100, 1):
         step(cache, k[:, :, t : t + n], v[:, :, t : t + n])
         t += n
-        before = cache._table_tensor
+        before = cache._tables.get(cache.device)
         table = cache.block_table()
         assert torch.equal(table.cpu(), torch.tensor(cache.tables.rows, dtype=torch.int32).reshape(3, cache.num_blocks))
         assert table.dtype == torch.int32 and (before is None or before is table)

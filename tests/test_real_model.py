@@ -100,13 +100,14 @@ def test_beam_reorder_moves_no_sealed_bytes_and_prompt_is_held_once(smol):
 
     def checked_reorder(beam_idx):
         snap = [(t.data_ptr(), t.clone()) for p in paged.pages for t in p.tensors().values()]
-        sinks = (paged.sink_k.data_ptr(), paged.sink_k.clone())
+        sink_k = paged.segments[0].sink_k
+        sinks = (sink_k.data_ptr(), sink_k.clone())
         seals = paged.seals
         original(beam_idx)
         calls["n"] += 1
         for (ptr, data), t in zip(snap, [t for p in paged.pages for t in p.tensors().values()]):
             assert t.data_ptr() == ptr and torch.equal(t, data), "reorder_cache moved a sealed block"
-        assert paged.sink_k.data_ptr() == sinks[0] and torch.equal(paged.sink_k, sinks[1])
+        assert paged.segments[0].sink_k.data_ptr() == sinks[0] and torch.equal(paged.segments[0].sink_k, sinks[1])
         assert paged.seals == seals
         calls["sealed_checked"] += paged.num_blocks > 0
 

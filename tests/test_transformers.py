@@ -173,11 +173,12 @@ def test_tails_return_to_a_block_after_a_long_generate_prompt(model):
     finally:
         cache.detach()
     paged = cache.paged
-    assert paged.tail_k.shape[3] <= 16 and paged.tail_v.shape[3] <= 16, tuple(paged.tail_k.shape)
+    seg, = paged.segments
+    assert seg.tail_k.shape[3] <= 16 and seg.tail_v.shape[3] <= 16, tuple(seg.tail_k.shape)
     assert cache.memory_report().tokens == 1502
     # what the tails reserve: a block a layer and row, against the 1,500 prompt tokens they held
-    tail_reserved = sum(t.numel() * t.element_size() for t in (paged.tail_k, paged.tail_v))
-    assert tail_reserved == 2 * paged.num_layers * paged.num_kv_heads * 16 * paged.head_dim * paged.tail_k.element_size()
+    tail_reserved = sum(t.numel() * t.element_size() for t in (seg.tail_k, seg.tail_v))
+    assert tail_reserved == 2 * paged.num_layers * paged.num_kv_heads * 16 * paged.head_dim * seg.tail_k.element_size()
 
 
 def test_start_offsets_left_padding_only():

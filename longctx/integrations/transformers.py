@@ -150,6 +150,42 @@ def check_supported(model_config) -> None:
         raise UnsupportedModelError(f"{name}: no num_hidden_layers/num_attention_heads in its config")
 
 
+def layer_devices(model) -> list[torch.device]:
+    """The device each decoder layer's attention runs on: where accelerate's hooks execute it
+    (a model loaded with a device_map; its weights may sit elsewhere, offloaded), else where its
+    weights are. The layers are the modules that carry a `layer_idx` and project keys (k_proj)."""
+    found: dict[int, torch.device] = {}
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        idx = getattr(module, "layer_idx", None)
+        if not isinstance(idx, int) or not hasattr(module, "k_proj") or idx in found:
+            continue
+        device = None
+        parts = name.split(".")
+        for depth in range(len(parts), -1, -1):  # the nearest hook of the module or an ancestor
+            device = _hook_device(modules.get(".".join(parts[:depth])))
+            if device is not None:
+                break
+        if device is None:
+            param = next(module.parameters(), None)
+            device = param.device if param is not None else model.device
+        found[idx] = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    layers = decoder_shape(model.config)[0]
+    if sorted(found) != list(range(layers)):
+        return [model.device] * layers
+    return [found[i] for i in range(layers)]
+
+
+def _hook_device(module):
+    """The execution device of accelerate's hook on `module`, or None."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in [hook, *getattr(hook, "hooks", ())]:
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return device
+    return None
+
+
 def cache_kwarg_name(model) -> str:
     """'cache' on transformers releases that renamed it, else 'past_key_values'."""
     params = inspect.signature(model.forward).parameters
@@ -217,7 +253,9 @@ class LongCtxCache(Cache):
         check_supported(model.config)
         self.kv_config = config or KVConfig()
         num_layers, kv_heads, head_dim = decoder_shape(model.config)
-        self.paged = PagedKVCache(self.kv_config, num_layers, kv_heads, head_dim)
+        devices = layer_devices(model)  # (a model split over devices: each layer's pages on its own)
+        split = len(set(devices)) > 1
+        self.paged = PagedKVCache(self.kv_config, num_layers, kv_heads, head_dim, devices=devices if split else None)
         super().__init__(layers=[LongCtxLayer(self.paged, i) for i in range(num_layers)])
         self._model = model
         self._previous_impl = None
@@ -339,4 +377,4 @@ class LongCtxCache(Cache):
         return f"LongCtxCache({self.kv_config.describe()}, layers={self.paged.num_layers}, tokens={self.paged.seq_len()})"
 
 
-__all__ = ["LongCtxCache", "cache_kwargs", "cache_kwarg_name", "check_supported", "longctx_attention", "register"]
+__all__ = ["LongCtxCache", "cache_kwargs", "cache_kwarg_name", "check_supported", "layer_devices", "longctx_attention", "register"]

@@ -1,0 +1,148 @@
+"""A cache whose layers live on several devices (a model split by accelerate's device_map).
+
+On the CPU two placements are told apart by their index: layers on cpu:0 and cpu:1 form two
+segments, with tails, sinks, table copies and host-tier staging of their own, though their
+memory is the same. Every result must equal the one-device cache's, bit for bit.
+"""
+
+import pytest
+import torch
+
+from longctx import KVConfig
+from longctx.cache import PagedKVCache
+from longctx.testing import random_kv, tiny_llama
+
+L, H, D = 4, 2, 64
+SPLIT = ["cpu:0", "cpu:0", "cpu:1", "cpu:1"]
+
+
+def pair(cfg):
+    return PagedKVCache(cfg, L, H, D), PagedKVCache(cfg, L, H, D, devices=SPLIT)
+
+
+def step(caches, k, v):
+    for cache in caches:
+        for layer in range(L):
+            cache.append(layer, k * (1 + layer), v - layer)
+
+
+def assert_same(one, two, q, start=None):
+    assert one.tables.rows == two.tables.rows and one.tail_len == two.tail_len
+    for layer in range(L):
+        o1, l1 = one.attend(layer, q, start)
+        o2, l2 = two.attend(layer, q, start)
+        assert torch.equal(o1, o2) and torch.equal(l1, l2), layer
+        for a, b in zip(one.dense(layer), two.dense(layer)):
+            assert torch.equal(a, b), layer
+
+
+@pytest.mark.parametrize("cfg", [KVConfig(bits=4, block_size=16), KVConfig(bits=2, rotate=True, block_size=64, k_span=16, sink_blocks=2),
+                                 KVConfig(bits=4, block_size=16, max_blocks=24, host_blocks=200, stage_blocks=4)],
+                         ids=["int4", "int2+rot", "host-tier"])
+def test_a_split_cache_equals_one_device_through_steps_beams_and_crops(cfg):
+    one, two = pair(cfg)
+    k, v = random_kv(1, H, 700, D, seed=3)
+    k3, v3 = k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)  # three beams of one prompt
+    step((one, two), k3[:, :, :150].contiguous(), v3[:, :, :150].contiguous())
+    t = 150
+    for n, order in ((1, [0, 0, 1]), (37, None), (1, [2, 1, 1]), (80, None), (1, [1, 0, 2]), (200, None)):
+        kk, vv = random_kv(3, H, n, D, seed=t)
+        step((one, two), kk, vv)
+        t += n
+        if order is not None:
+            for c in (one, two):
+                c.reorder(torch.tensor(order))
+        assert_same(one, two, random_kv(3, 8, 1, D, seed=t)[0])
+    assert len(two.segments) == 2 and two.devices == [torch.device("cpu", 0), torch.device("cpu", 1)]
+    assert [list(s.layers) for s in two.segments] == [[0, 1], [2, 3]] and two.seals == one.seals
+    if cfg.host_blocks:
+        assert two.tables.host_columns > 0 and two.tables.host_columns == one.tables.host_columns
+    for c in (one, two):
+        c.fork(1)
+        c.free(0)
+        c.crop(t - 45)
+    assert_same(one, two, random_kv(3, 8, 1, D, seed=1)[0], start=torch.tensor([0, 17, 40], dtype=torch.int32))
+
+
+def test_each_device_keeps_its_own_tails_sinks_and_table():
+    cfg = KVConfig(bits=4, block_size=16, sink_blocks=1)
+    _, two = pair(cfg)
+    k, v = random_kv(2, H, 70, D)
+    step((two,), k, v)
+    step((two,), k[:, :, :1], v[:, :, :1])
+    first, second = two.segments
+    assert first.tail_k.shape[0] == 2 and second.tail_k.shape[0] == 2 and first.tail_k is not second.tail_k
+    for layer in range(L):
+        seg, i = two.segment(layer)
+        view = two.view(layer)
+        assert view.tail_k.data_ptr() == seg.tail_k[i].data_ptr() and view.sink_k.data_ptr() == seg.sink_k[i].data_ptr()
+        assert view.block_table is two.block_table(seg.device) and two.layer_device(layer) == seg.device
+    a, b = two.block_table(torch.device("cpu", 0)), two.block_table(torch.device("cpu", 1))
+    assert a is not b and torch.equal(a, b)
+    report = two.memory_report()
+    assert list(report.bytes_by_device) == ["cpu:0", "cpu:1"] and sum(report.bytes_by_device.values()) == report.bytes_by_tier["device"]
+    assert report.bytes_by_device["cpu:0"] == report.bytes_by_device["cpu:1"] and report.device == "cpu:0, cpu:1"
+    assert "cpu:0" in str(report) and "cpu:1" in str(report)
+
+
+def test_keys_on_another_device_than_their_layer_are_refused_and_change_nothing():
+    _, two = pair(KVConfig(bits=4, block_size=16))
+    k, v = random_kv(1, H, 20, D)
+    step((two,), k, v)
+    with pytest.raises(ValueError, match="layer 2's keys are on meta, but its pages live on cpu:1"):
+        two.append(2, k.to("meta"), v.to("meta"))
+    assert two.tail_len == [20] * L
+    with pytest.raises(ValueError, match="one device a layer, 4, got 3"):
+        PagedKVCache(KVConfig(), L, H, D, devices=SPLIT[:3])
+    with pytest.raises(RuntimeError, match="live on cpu:0, cpu:1; a recorded step runs on one device"):
+        two.graph_table()
+
+
+def _hooked(model, devices):
+    """`model` with accelerate's hooks placing decoder layer i's execution on devices[i], as
+    dispatch_model does for a device_map over several GPUs."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    for layer, device in zip(model.model.layers, devices):
+        add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device(device), io_same_device=False))
+    return model
+
+
+def test_a_model_split_by_accelerate_hooks_generates_as_on_one_device(tmp_path):
+    """LongCtxCache reads each layer's execution device from accelerate's hooks: greedy and
+    beam search over the split cache give the one-device tokens, and a saved cache loads
+    back into a split one."""
+    from longctx.integrations.transformers import LongCtxCache, cache_kwargs, layer_devices
+
+    cfg = KVConfig(bits=4, block_size=16)
+    plain, split = tiny_llama(layers=L, vocab=96, seed=4), _hooked(tiny_llama(layers=L, vocab=96, seed=4), SPLIT)
+    assert layer_devices(plain) == [torch.device("cpu")] * L
+    assert layer_devices(split) == [torch.device(d) for d in SPLIT]
+    ids = torch.randint(1, 96, (2, 90), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for model in (plain, split):
+        runs = []
+        for beams in (1, 3):
+            cache = LongCtxCache(model, cfg)
+            with torch.no_grad():
+                runs.append(model.generate(input_ids=ids, do_sample=False, num_beams=beams, max_new_tokens=24, pad_token_id=0,
+                                           **cache_kwargs(model, cache)))
+            cache.detach()
+        outs.append(runs)
+        if model is split:
+            assert len(cache.paged.segments) == 2 and cache.paged.seals > 0
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    cache = LongCtxCache(split, cfg)
+    with torch.no_grad():
+        split(input_ids=ids, **cache_kwargs(split, cache))
+    cache.save(tmp_path / "split.kvc", ids)
+    cache.detach()
+    for model in (plain, split):
+        loaded, saved = LongCtxCache.load(model, tmp_path / "split.kvc")
+        assert torch.equal(saved, ids) and len(loaded.paged.segments) == (2 if model is split else 1)
+        with torch.no_grad():
+            logits = model(input_ids=ids[:, -1:] + 1, **cache_kwargs(model, loaded)).logits
+        loaded.detach()
+        if model is plain:
+            want = logits
+    assert torch.equal(logits, want)
