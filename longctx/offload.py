@@ -32,7 +32,6 @@ import torch
 
 from .ops.paged_attention import paged_attention
 from .ops.pages import Pages, PagedView
-from .quant import page_bytes
 
 RING = 2  # staging pools: one being filled while the kernel reads the other
 ALIGN = 4096  # bytes: each host pool starts on a page of the one pinned buffer

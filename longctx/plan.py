@@ -1,9 +1,17 @@
-"""How long a context fits: weights, KV bytes per token, activations and reserves on one GPU.
+"""How long a context fits: weights, KV bytes per token, activations and reserves on one GPU
+or several.
 
 `plan(model, gpu_gib, ...)` -> `Plan` with one `PlanRow` per KV format. The KV bytes come
 from `kv_bytes`, the same arithmetic as `memory_report` (sinks, sealed blocks, the tail; a
 test holds the two equal). Everything else is an estimate, documented term by term in
 `Budget`; `longctx plan` renders it. The catalog is `longctx/configs/{models,gpus}.yaml`.
+
+Several cards (`gpus`): the model is split by whole decoder layers, as accelerate's device_map
+places it: the embeddings on the first card, the final norm and LM head on the last, and each
+layer's weights and KV on the card that runs it. Every card holds its layers' pages of every
+token, so a context fits when it fits each card; `split_layers` gives each card as many layers
+as that allows, which balances the KV (not the weights, as transformers' device_map="auto"
+does). `longctx chat --device-map auto` loads a model with that split.
 """
 
 from __future__ import annotations
@@ -17,7 +25,6 @@ from pathlib import Path
 
 from .config import KVConfig, bits_format
 from .errors import LongCtxError, ModelNotFoundError
-from .quant import page_bytes
 
 GIB = 1 << 30
 RUNTIME_OVERHEAD = 768 << 20  # CUDA context, cuBLAS/cuDNN workspaces, allocator bookkeeping
@@ -168,24 +175,33 @@ def parse_size_gib(text: str) -> float:
     return value
 
 
-def kv_bytes(shape: ModelShape, cfg: KVConfig, tokens: int, rows: int = 1, elem_bytes: int = 2) -> int:
+def kv_bytes(shape: ModelShape, cfg: KVConfig, tokens: int, rows: int = 1, elem_bytes: int = 2, layers: range | None = None) -> int:
     """Bytes a PagedKVCache holds for `rows` rows of `tokens` tokens once full blocks are sealed:
     sink blocks, quantized (or 16-bit) pages with their scales, and the partial tail. The
-    same count as `memory_report`'s total_bytes (tests/test_plan.py)."""
+    same count as `memory_report`'s total_bytes (tests/test_plan.py). layers: those of one
+    card of a split model (default all)."""
     cfg = cfg.resolve(shape.layers, shape.head_dim)
-    P, H, D, L = cfg.block_size, shape.kv_heads, shape.head_dim, shape.layers
+    layers = range(shape.layers) if layers is None else layers
+    P, H, D, L = cfg.block_size, shape.kv_heads, shape.head_dim, len(layers)
     n = tokens // P
     sinks = min(cfg.sink_blocks, n)
-    per_block = _sealed_block_bytes(shape, cfg, elem_bytes)
+    sizes = _layer_block_bytes(shape, cfg, elem_bytes)
+    per_block = sum(sizes[l] for l in layers) if len(layers) != shape.layers else sum(sizes)
     dense_block = L * 2 * H * P * D * elem_bytes
     tail = (tokens - n * P) * L * 2 * H * D * elem_bytes
     return rows * (sinks * dense_block + (n - sinks) * per_block + tail)
 
 
 @functools.lru_cache(maxsize=64)
+def _layer_block_bytes(shape: ModelShape, cfg: KVConfig, elem_bytes: int) -> tuple[int, ...]:
+    """Each layer's bytes of one sealed block (plan's searches ask for them many times)."""
+    dtype = _dtype(elem_bytes)
+    return tuple(sum(cfg.block_format(l, shape.head_dim, shape.kv_heads, dtype).block_bytes().values()) for l in range(shape.layers))
+
+
 def _sealed_block_bytes(shape: ModelShape, cfg: KVConfig, elem_bytes: int) -> int:
-    """One sealed block id's bytes over all layers (plan's searches ask for it many times)."""
-    return page_bytes(cfg, shape.layers, shape.kv_heads, shape.head_dim, _dtype(elem_bytes))[0]
+    """One sealed block id's bytes over all layers."""
+    return sum(_layer_block_bytes(shape, cfg, elem_bytes))
 
 
 def _dtype(elem_bytes: int):
@@ -197,17 +213,57 @@ def _dtype(elem_bytes: int):
 def weight_bytes(shape: ModelShape, bits: int) -> int:
     """bf16 weights; or bitsandbytes: int8 (LLM.int8, ~1 byte per weight) or NF4 (half a
     byte plus an fp32 absmax per 64 weights), embeddings and LM head kept 16-bit."""
-    total = shape.param_count()
-    match bits:
-        case 16:
-            return 2 * total
-        case 8 | 4:
-            emb = shape.embedding_params()
-            norms = shape.layers * 2 * shape.hidden + shape.hidden
-            per = 1.0 if bits == 8 else 0.5 + 4 / 64
-            return int(2 * (emb + norms) + per * (total - emb - norms))
-        case _:
-            raise ValueError(f"weights bits must be 16, 8 or 4, got {bits}")
+    layer, embed, head = weight_parts(shape, bits)
+    return int(shape.layers * layer + embed + head)
+
+
+def weight_parts(shape: ModelShape, bits: int) -> tuple[float, int, int]:
+    """(one decoder layer's weight bytes, the embeddings', the final norm's and LM head's; a
+    tied head is the embeddings, counted there): how a split model's cards share them."""
+    if bits not in (16, 8, 4):
+        raise ValueError(f"weights bits must be 16, 8 or 4, got {bits}")
+    linear = (shape.param_count() - shape.embedding_params() - shape.hidden) // shape.layers - 2 * shape.hidden
+    per = {16: 2.0, 8: 1.0, 4: 0.5 + 4 / 64}[bits]
+    embed = 2 * shape.vocab * shape.hidden
+    return per * linear + 2 * 2 * shape.hidden, embed, 2 * shape.hidden + (0 if shape.tied else embed)
+
+
+def split_layers(shape: ModelShape, cfg: KVConfig, cards: list[int], *, weights_bits: int = 16, batch: int = 1,
+                 chunk: int = 2048, tokens: int | None = None) -> tuple[int, list[int]]:
+    """(the longest context a row, the decoder layers each card takes) for a model split over
+    `cards` (each a memory budget in bytes) by whole layers in order: embeddings on the first,
+    final norm and LM head on the last, each layer's weights and pages on its card. For a
+    context, each card in turn takes as many layers as fit beside its fixed share (runtime
+    overhead, reserve, one chunk's activations, its end of the weights); the context fits when
+    the cards take every layer. With `tokens`, the split for that context (the last card
+    takes what is left); (0, []) where it does not fit."""
+    cfg = cfg.resolve(shape.layers, shape.head_dim)
+    layer_w, embed, head = weight_parts(shape, weights_bits)
+    last = len(cards) - 1
+
+    def assign(t: int) -> list[int] | None:
+        act = activation_bytes(shape, min(chunk, max(t, 1)), t, batch)
+        counts, at = [], 0
+        for d, total in enumerate(cards):
+            room = total - RUNTIME_OVERHEAD - int(FRAGMENTATION * total) - act - (embed if d == 0 else 0) - (head if d == last else 0)
+            if room < 0:
+                return None
+            n = 0
+            while at + n < shape.layers and room >= layer_w + kv_bytes(shape, cfg, t, batch, layers=range(at + n, at + n + 1)):
+                room -= layer_w + kv_bytes(shape, cfg, t, batch, layers=range(at + n, at + n + 1))
+                n += 1
+            counts.append(n)
+            at += n
+        return counts if at == shape.layers else None
+
+    if tokens is not None:
+        counts = assign(tokens)
+        return (tokens, counts) if counts else (0, [])
+    best = _largest(lambda t: assign(t) is not None)
+    if not best:
+        return 0, []
+    counts = assign(best)
+    return best, counts
 
 
 def activation_bytes(shape: ModelShape, chunk: int, context: int, batch: int = 1) -> int:
@@ -254,6 +310,10 @@ class PlanRow:
     host_bytes: int = 0
     staging_bytes: int = 0
     offload_step_ms: float = 0.0
+    # several GPUs: the decoder layers each card takes, and each card's predicted allocator peak
+    # at max_tokens (its weights, its layers' KV and one chunk's activations)
+    layers_per_gpu: list[int] = field(default_factory=list)
+    gpu_peak_bytes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -269,6 +329,7 @@ class Plan:
     rows: list[PlanRow] = field(default_factory=list)
     host_gib: float = 0.0  # the host memory the host tier may pin
     pcie_gbps: float = 0.0  # the link's pinned host-to-device GB/s the offload speed assumes
+    gpus: int = 1  # cards of `budget.total` bytes each, the model split over them by layers
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -284,17 +345,20 @@ def pcie_gbps(gpu: str | None) -> float:
 
 
 def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16, kv_bits=(16, 8, 4, 2), batch: int = 1,
-         block_size: int = 64, prefill_chunk: int = 2048, host_gib: float = 0.0, pcie: float | None = None) -> Plan:
+         block_size: int = 64, prefill_chunk: int = 2048, host_gib: float = 0.0, pcie: float | None = None, gpus: int = 1) -> Plan:
     """The longest context per row for each KV format (binary search on the exact KV bytes);
     with host_gib, also with a host tier of that much pinned memory, and its decode step over
-    a link of `pcie` GB/s (None: the catalog card's, `pcie_gbps`)."""
-    if batch < 1 or prefill_chunk < 1 or host_gib < 0 or (pcie is not None and pcie <= 0):
-        raise ValueError(f"batch and prefill_chunk must be >= 1, host memory >= 0 and the link's GB/s > 0; got {batch}, "
-                         f"{prefill_chunk}, {host_gib}, {pcie}")
+    a link of `pcie` GB/s (None: the catalog card's, `pcie_gbps`). gpus: that many cards of
+    `gpu_gib` each, the model split by layers (`split_layers`), the host tier shared."""
+    if batch < 1 or prefill_chunk < 1 or host_gib < 0 or (pcie is not None and pcie <= 0) or gpus < 1:
+        raise ValueError(f"batch, prefill_chunk and gpus must be >= 1, host memory >= 0 and the link's GB/s > 0; got {batch}, "
+                         f"{prefill_chunk}, {gpus}, {host_gib}, {pcie}")
+    if gpus > shape.layers:
+        raise ValueError(f"--gpus {gpus}: {shape.name} has {shape.layers} decoder layers, and a card takes whole layers")
     total = int(gpu_gib * GIB)
     budget = Budget(gpu, total, weight_bytes(shape, weights_bits), RUNTIME_OVERHEAD, int(FRAGMENTATION * total))
     out = Plan(shape.name, shape.param_count(), weights_bits, batch, block_size, prefill_chunk, shape.max_context, budget,
-               host_gib=host_gib, pcie_gbps=pcie if pcie is not None else pcie_gbps(gpu))
+               host_gib=host_gib, pcie_gbps=pcie if pcie is not None else pcie_gbps(gpu), gpus=gpus)
     for bits in kv_bits:
         cfg = bits_format(bits, block_size=block_size)
         label = cfg.describe()
@@ -307,37 +371,77 @@ def plan(shape: ModelShape, gpu: str, gpu_gib: float, *, weights_bits: int = 16,
         def need(t: int, cfg=cfg) -> int:
             return kv_bytes(shape, cfg, t, batch) + activation_bytes(shape, min(prefill_chunk, max(t, 1)), t, batch)
 
-        best = _largest(lambda t: need(t) <= budget.for_kv)
+        counts: list[int] = []
+        if gpus == 1:
+            best = _largest(lambda t: need(t) <= budget.for_kv)
+        else:
+            best, counts = split_layers(shape, cfg, [total] * gpus, weights_bits=weights_bits, batch=batch, chunk=prefill_chunk)
         at = best or shape.max_context or 32768  # where nothing fits, the format's cost at the model's limit
         per_token = kv_bytes(shape, cfg, at, batch) / (at * batch)
         sealed = best // block_size
         row = PlanRow(label, per_token, best, None, shape.max_context is None or best >= shape.max_context,
                       activation_bytes(shape, min(prefill_chunk, max(best, 1)), best, batch),
-                      max_blocks=max(0, sealed - min(cfg.sink_blocks, sealed)) * batch)
-        if host_gib > 0:
-            _offload(row, shape, cfg, budget, batch, prefill_chunk, int(host_gib * GIB), out.pcie_gbps)
+                      max_blocks=max(0, sealed - min(cfg.sink_blocks, sealed)) * batch, layers_per_gpu=counts)
+        if counts:
+            row.gpu_peak_bytes = card_peaks(shape, cfg, counts, best, weights_bits, batch, prefill_chunk)
+        if host_gib > 0 and (gpus == 1 or counts):  # (several cards that hold not a token: no split to spill from)
+            _offload(row, shape, cfg, budget, batch, prefill_chunk, int(host_gib * GIB), out.pcie_gbps, weights_bits)
         out.rows.append(row)
     return out
 
 
-def _offload(row: PlanRow, shape: ModelShape, cfg: KVConfig, budget: Budget, batch: int, chunk: int, host: int, gbps: float) -> None:
-    """Fill `row`'s host-tier figures. On the GPU: weights, reserves, one chunk's activations
-    (no staging copy of the past: with a host tier attention reads the pages in place) and its
-    tokens in every layer's tail, the sinks and a block of tail a row, the two staging slices,
-    and the device pool (whatever is
-    left, in whole blocks: `offload_max_blocks`). In pinned host memory: `host_blocks` blocks.
-    A row holds its sinks, then its share of both pools' blocks, then up to a block of tail.
-    The decode step reads every host page across the link: host bytes / (gbps * 10^9)."""
+def card_peaks(shape: ModelShape, cfg: KVConfig, counts: list[int], tokens: int, weights_bits: int = 16, batch: int = 1,
+               chunk: int = 2048) -> list[int]:
+    """Each card's predicted allocator peak for a model split `counts` layers a card, at `tokens`
+    a row: its weights, its layers' KV and one chunk's activations (the CUDA context and the
+    reserve are not allocator memory)."""
+    layer_w, embed, head = weight_parts(shape, weights_bits)
+    act = activation_bytes(shape, min(chunk, max(tokens, 1)), tokens, batch)
+    out, at = [], 0
+    for d, n in enumerate(counts):
+        weights = n * layer_w + (embed if d == 0 else 0) + (head if d == len(counts) - 1 else 0)
+        out.append(int(weights + kv_bytes(shape, cfg, tokens, batch, layers=range(at, at + n)) + act))
+        at += n
+    return out
+
+
+def _offload(row: PlanRow, shape: ModelShape, cfg: KVConfig, budget: Budget, batch: int, chunk: int, host: int, gbps: float,
+             weights_bits: int = 16) -> None:
+    """Fill `row`'s host-tier figures. On each GPU: its weights, reserves, one chunk's
+    activations (no staging copy of the past: with a host tier attention reads the pages in
+    place) and its tokens in its layers' tails, the sinks and a block of tail a row, two
+    staging slices, and the device pool (whatever is left, in whole blocks; on several cards,
+    the card with the least room per block sets `offload_max_blocks`, since every card holds
+    its layers' pages of every block id). In pinned host memory: `host_blocks` blocks. A row
+    holds its sinks, then its share of both pools' blocks, then up to a block of tail. The
+    decode step reads every host page across the link: host bytes / (gbps * 10^9)."""
     from .offload import RING, stage_blocks_for
 
     P = cfg.block_size
-    per_block, per_layer = page_bytes(cfg.resolve(shape.layers, shape.head_dim), shape.layers, shape.kv_heads, shape.head_dim, _dtype(2))
-    staging = RING * stage_blocks_for(per_layer, batch) * per_layer
-    # a chunk's tokens wait in every layer's tail until the next step seals them, and the seal's
-    # finiteness check reads them into booleans: 6 bytes a token, layer, KV head and channel
-    tails = 6 * chunk * batch * shape.layers * shape.kv_heads * shape.head_dim
-    fixed = kv_bytes(shape, cfg, cfg.sink_blocks * P + P - 1, batch) + activation_bytes(shape, chunk, 0, batch) + staging + tails
-    device_blocks = max(0, (budget.for_kv - fixed) // per_block)
+    cfg = cfg.resolve(shape.layers, shape.head_dim)
+    sizes = _layer_block_bytes(shape, cfg, 2)
+    per_block = sum(sizes)
+    if row.layers_per_gpu:  # the GPU-only split's cards, each with its end of the weights
+        layer_w, embed, head = weight_parts(shape, weights_bits)
+        last, at, cards = len(row.layers_per_gpu) - 1, 0, []
+        for d, n in enumerate(row.layers_per_gpu):
+            weights = n * layer_w + (embed if d == 0 else 0) + (head if d == last else 0)
+            cards.append((range(at, at + n), budget.total - budget.overhead - budget.reserve - weights))
+            at += n
+    else:
+        cards = [(range(shape.layers), budget.for_kv)]
+    device_blocks, staging = None, 0
+    for layers, for_kv in cards:
+        mine = [sizes[l] for l in layers]
+        card_staging = RING * stage_blocks_for(max(sizes), batch) * max(mine, default=0)
+        # a chunk's tokens wait in every layer's tail until the next step seals them, and the seal's
+        # finiteness check reads them into booleans: 6 bytes a token, layer, KV head and channel
+        tails = 6 * chunk * batch * len(layers) * shape.kv_heads * shape.head_dim
+        fixed = kv_bytes(shape, cfg, cfg.sink_blocks * P + P - 1, batch, layers=layers) + activation_bytes(shape, chunk, 0, batch) \
+            + card_staging + tails
+        blocks = max(0, int(for_kv - fixed) // max(1, sum(mine)))
+        device_blocks = blocks if device_blocks is None else min(device_blocks, blocks)
+        staging += card_staging
     if device_blocks < -(-chunk // P) * batch:  # (a chunk's seal must fit the device pool at once)
         return
     host_blocks = host // per_block

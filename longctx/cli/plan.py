@@ -26,6 +26,7 @@ def plan(
     host_mem: str = typer.Option(None, "--host-mem", help="pinned host memory for the host tier: 64GiB, or 64GB (10^9 bytes)"),
     context: str = typer.Option(None, "--context", help="with --host-mem: also the decode step predicted at this many tokens (e.g. 1024k)"),
     pcie_gbps: float = typer.Option(None, "--pcie-gbps", help="the link's pinned host-to-device GB/s for the host tier's speed (default: the card's PCIe generation)"),
+    gpus: int = typer.Option(1, "--gpus", help="cards of --gpu each, the model split over them by decoder layers (chat --device-map auto)"),
     batch: int = typer.Option(1, "--batch", help="rows decoded together"),
     block_size: int = typer.Option(64, "--block-size", help="tokens per page"),
     prefill_chunk: int = typer.Option(2048, "--prefill-chunk", help="tokens per prefill forward"),
@@ -38,6 +39,7 @@ def plan(
     Examples:
       longctx plan --model llama-3.1-8b --gpu rtx-4090 --weights-bits 4
       longctx plan --model llama-3.1-8b --gpu rtx-4090 --weights-bits 4 --host-mem 64GiB
+      longctx plan --model llama-3.1-8b --gpu rtx-3090 --gpus 2 --weights-bits 4
       longctx plan --model ./Qwen2.5-7B-Instruct --gpu rtx-3060-12gb --json
     """
     from ..config import bits_format
@@ -56,6 +58,8 @@ def plan(
         raise ValueError(f"--weights-bits must be 16, 8 or 4, got {weights_bits}")
     if gpu and gpu_mem:
         raise ValueError(f"give --gpu (a catalog card, {gpu!r}) or --gpu-mem (a budget, {gpu_mem!r}), not both")
+    if gpus < 1:
+        raise ValueError(f"--gpus must be 1 or more, got {gpus}")
     if pcie_gbps is not None and pcie_gbps <= 0:
         raise ValueError(f"--pcie-gbps must be more than 0, got {pcie_gbps}")
     host_gib = parse_size_gib(host_mem) if host_mem else 0.0
@@ -72,13 +76,14 @@ def plan(
         return print_config(details=dict(model=shape, gpu={"name": label, "memory_gib": gib}, host_gib=host_gib), gpu=gpu or (None if gpu_mem else label),
                             kv_bits=bits, context=at)
     p = make_plan(shape, label, gib, weights_bits=weights_bits, kv_bits=bits, batch=batch, block_size=block_size,
-                  prefill_chunk=prefill_chunk, host_gib=host_gib, pcie=pcie_gbps)
+                  prefill_chunk=prefill_chunk, host_gib=host_gib, pcie=pcie_gbps, gpus=gpus)
     if as_json:
         typer.echo(json.dumps(p.as_dict(), indent=1))
         return
     console = Console()
     limit = f"{p.max_context:,}" if p.max_context else "unknown"
-    console.print(f"{p.model} ({p.params / 1e9:.2f}B params, {weights_bits}-bit weights) on {label} ({gib:g} GiB), batch {batch}",
+    cards = f"{gpus} x {label} ({gib:g} GiB each)" if gpus > 1 else f"{label} ({gib:g} GiB)"
+    console.print(f"{p.model} ({p.params / 1e9:.2f}B params, {weights_bits}-bit weights) on {cards}, batch {batch}",
                   highlight=False, soft_wrap=True)
     host = ["with host tier", "host pinned", "decode step"] + ([f"step at {at:,}"] if at else []) if host_gib else []
     cols = ["KV format", "KV bytes/token", "max tokens (GPU)"] + host + [f"model limit {limit}"]
@@ -105,10 +110,21 @@ def plan(
              ("fragmentation reserve (5 %)", _gib(b.reserve)), ("left for KV + activations", _gib(b.for_kv))]
     items += [(f"activations at a {min(prefill_chunk, r.max_tokens):,}-token chunk, {r.format} ({r.max_tokens:,} tokens)", _gib(r.activations))
               for r in p.rows if not r.unavailable and r.max_tokens]
-    show_table("Budget", ("item", "bytes"), items, left=("item",), console=console)
+    if gpus > 1:  # the budget is a card's; the weights and KV split by layers, per format
+        items = items[:1] + items[2:4]
+        split = [[r.format, " / ".join(map(str, r.layers_per_gpu)), " / ".join(_gib(n) for n in r.gpu_peak_bytes)]
+                 for r in p.rows if not r.unavailable and r.layers_per_gpu]
+        if split:
+            show_table("Split by decoder layers (embeddings on the first card, LM head on the last)",
+                       ("KV format", "layers a card", "each card's peak (weights + KV + activations)"), split, left=("KV format",), console=console)
+    show_table("Budget" + (" of each card" if gpus > 1 else ""), ("item", "bytes"), items, left=("item",), console=console)
     available = [r for r in p.rows if not r.unavailable]
     if available and not any(r.max_tokens for r in available):
-        if b.for_kv <= 0:
+        if gpus > 1:
+            why = (f"split by layers, the weights ({_gib(b.weights)} in all), each card's runtime overhead and reserve and one "
+                   f"{prefill_chunk:,}-token chunk's activations take more than {gpus} cards of {gib:g} GiB")
+            fix = "more cards, 4-bit weights (--weights-bits 4) or a smaller --prefill-chunk"
+        elif b.for_kv <= 0:
             why = (f"the weights ({_gib(b.weights)}) with the runtime overhead and reserve ({_gib(b.overhead + b.reserve)}) "
                    f"take more than the {gib:g} GiB budget")
             fix = "4-bit weights (--weights-bits 4, bitsandbytes), a smaller model or a larger GPU" if weights_bits != 4 else \
