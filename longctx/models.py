@@ -93,6 +93,61 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def split_device_map(model, counts: list[int]) -> dict[str, int]:
+    """An accelerate device_map that gives card d the next counts[d] decoder layers of `model`
+    (real or on the meta device): the modules before the layers (embeddings) on the first card,
+    those after (final norm, LM head) on the last, but a head tied to the embeddings and
+    modules without weights (rotary tables, computed before the layers) on the first."""
+    L = sum(counts)
+    path = next((name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == L and name), None)
+    if path is None:
+        raise ValueError(f"{type(model).__name__}: no list of {L} decoder layers to split")
+    dm: dict[str, int] = {}
+    layer = 0
+    for card, n in enumerate(counts):
+        for _ in range(n):
+            dm[f"{path}.{layer}"] = card
+            layer += 1
+    tied = {id(model.get_output_embeddings())} if getattr(model.config, "tie_word_embeddings", False) else set()
+    parts = path.split(".")
+    for depth in range(len(parts)):  # the siblings along the path to the layers: before them, or after
+        parent = ".".join(parts[:depth])
+        after = False
+        for name, child in (model.get_submodule(parent) if parent else model).named_children():
+            full = f"{parent}.{name}" if parent else name
+            if full == ".".join(parts[: depth + 1]):
+                after = True
+                continue
+            weights = next(child.parameters(), None) is not None
+            dm[full] = 0 if not after or id(child) in tied or not weights else len(counts) - 1
+    return dm
+
+
+def auto_device_map(source: str, extra: dict, kv, weights_bits: int, chunk: int) -> dict[str, int]:
+    """longctx's device_map "auto": the model's decoder layers split over the visible GPUs as
+    `longctx plan --gpus` splits them (`plan.split_layers`: each card takes as many layers as
+    its free memory holds at the longest context they all fit, the KV balanced), for the KV
+    format `kv` (a KVConfig)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .plan import RUNTIME_OVERHEAD, shape_from_config, split_layers
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise ValueError("--device-map auto splits a model over CUDA GPUs; none is visible here")
+    config = AutoConfig.from_pretrained(source, **extra)
+    shape = shape_from_config(config.to_dict(), name=source)
+    cards = [torch.cuda.mem_get_info(i)[0] + RUNTIME_OVERHEAD for i in range(n)]  # (free now; the CUDA context is taken)
+    tokens, counts = split_layers(shape, kv, cards, weights_bits=weights_bits, chunk=chunk)
+    if not tokens:
+        free = ", ".join(f"{c / 2**30:,.1f}" for c in cards)
+        raise ValueError(f"--device-map auto: {shape.layers} layers of {Path(source).name} with {weights_bits}-bit weights and a "
+                         f"{chunk:,}-token chunk do not fit the free memory of the {n} GPU(s) ({free} GiB)")
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    return split_device_map(meta, counts)
+
+
 def load_model(
     name: str | None = None,
     *,
@@ -100,6 +155,9 @@ def load_model(
     load_in_8bit: bool = False,
     device: str | None = None,
     dtype: torch.dtype | str | None = None,
+    device_map: str | dict | None = None,
+    kv=None,
+    chunk: int = 2048,
 ):
     """Load (model, tokenizer) ready for generation.
 
@@ -110,12 +168,22 @@ def load_model(
     device: "cpu", "cuda", "cuda:1"...; default CUDA when available.
     dtype:  weights' dtype; default bfloat16 on CUDA, float32 on CPU (bf16 matmuls are
             slow on most CPUs).
+    device_map: the model split over several GPUs by accelerate: "auto" (longctx's split,
+            `auto_device_map`: the layers balanced for the KV cache of format `kv`, a KVConfig,
+            with prefill chunks of `chunk` tokens), a dict, or another of transformers' names
+            ("balanced", "sequential": its weight-balanced splits). Replaces `device`.
     The tokenizer pads on the left (batched generation) and has a pad token.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if load_in_4bit and load_in_8bit:
         raise ValueError("choose one of load_in_4bit and load_in_8bit")
+    if device_map is not None:
+        if device is not None:
+            raise ValueError(f"give a device ({device!r}) or a device_map ({device_map!r}), not both")
+        if not torch.cuda.is_available():
+            raise ValueError(f"device_map {device_map!r} splits a model over CUDA GPUs; none is visible here (torch {torch.__version__})")
+        device = "cuda"
     device = device or _default_device()
     if device.startswith("cuda"):
         number = device.removeprefix("cuda").removeprefix(":")
@@ -149,6 +217,13 @@ def load_model(
     hub = {} if extra or Path(source).exists() else hub_kwargs(source)  # (a hub id: fail fast where the hub is unreachable)
     extra = {**extra, **hub}
     kwargs: dict = {"dtype": dtype, "use_kernels": False, **extra}
+    if device_map == "auto":
+        from .config import KVConfig
+
+        device_map = auto_device_map(source, extra, kv or KVConfig(), 4 if load_in_4bit else 8 if load_in_8bit else 16, chunk)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+        keep = None  # (a kept GGUF copy is written from a model on one device)
     if load_in_4bit or load_in_8bit:
         if not device.startswith("cuda") or not torch.cuda.is_available():
             raise ValueError("bitsandbytes 4/8-bit weights need a CUDA GPU; drop --load-in-4bit/--load-in-8bit on CPU")
@@ -162,7 +237,7 @@ def load_model(
             bnb_4bit_compute_dtype=dtype,
             bnb_4bit_quant_type="nf4",
         )
-        kwargs["device_map"] = {"": device}
+        kwargs.setdefault("device_map", {"": device})
     try:
         if converted is not None:  # (our own copy: its fast tokenizer, without the auto classes' imports, ~1 s)
             from transformers import PreTrainedTokenizerFast
@@ -180,7 +255,7 @@ def load_model(
     except OSError as e:
         where = "the hub (is this machine online, and is the id right?)" if not extra and not Path(source).exists() else source
         raise ModelNotFoundError(f"could not load {name!r} from {where}: {e}") from e
-    if not (load_in_4bit or load_in_8bit):
+    if not (load_in_4bit or load_in_8bit or device_map is not None):
         model = model.to(device)
     model.eval()
     if tokenizer.pad_token is None:

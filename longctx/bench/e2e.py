@@ -58,7 +58,8 @@ STATIC_WARMUP = 3  # compiled steps before timing: cudagraph trees run, record, 
 
 
 def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int = 64, chunk: int = 16384, layers: int = 32,
-              device: str = "cuda", progress=None, warmup: int = 2, graphs: bool = True, compiled: bool = True) -> list[E2ERow]:
+              device: str = "cuda", progress=None, warmup: int = 2, graphs: bool = True, compiled: bool = True,
+              device_map: str | None = None) -> list[E2ERow]:
     """Prefill `context` random tokens in chunks, then decode `new_tokens` greedily, with
     transformers' DynamicCache + SDPA and with LongCtxCache in each format, same model.
     LongCtxCache's prefill time includes sealing the prompt's last chunk (which would
@@ -84,7 +85,14 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
 
     A cache that runs the GPU out of memory (DynamicCache's 16 GiB of K/V at 128k on a 24 GB
     card) gets a row with no figures and a note of where it stopped, and the bench goes on
-    with the next cache."""
+    with the next cache.
+
+    device_map="auto": LongCtxCache on one card against the same model split over every
+    visible GPU (`longctx.plan.split_layers`' layers a card, dispatched by accelerate), each
+    format: the one-card rows first (eager, and from CUDA graphs), then the split model's
+    eager row ("on N GPUs"), whose `ratio_decode` is the one-card eager step's time over its
+    own and whose note gives each card's peak and whether its greedy tokens equal the one-card
+    run's. No DynamicCache or compiled rows."""
     import gc
     import time
 
@@ -96,11 +104,14 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
                             ("warmup", warmup, 0)):
         if n < least:
             raise ValueError(f"{what} must be at least {least}, got {n}")
+    if device_map not in (None, "auto"):
+        raise ValueError(f"device_map must be auto or None, got {device_map!r}")
     cfgs, _, _, _ = bench_setup("e2e", formats, 64)  # bad values and names fail before a 16 GB model is built
     model = llama3_8b_shaped(layers, context + 2 * (warmup + new_tokens) + 16, device)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
 
     rows: list[E2ERow] = []
+    tokens: dict[str, list] = {}  # each row's greedy tokens
     now = {"row": "", "stage": ""}  # the row being measured and where, for an out-of-memory note
 
     def guarded(measure, *args) -> None:
@@ -119,12 +130,14 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
         gc.collect()  # (what the failed row held, before the next one allocates)
         torch.cuda.empty_cache()
 
-    def decode(cache, tok, steps: int, marks: list | None = None, decoder=None):
+    def decode(cache, tok, steps: int, marks: list | None = None, decoder=None, out: list | None = None):
         """`steps` greedy tokens, eager or from `decoder` (a GraphDecoder over `cache`); with
         `marks`, appends (an event recorded at the step's start, whether the step sealed or
-        recorded a graph) per step and one end event (sealed None)."""
+        recorded a graph) per step and one end event (sealed None); with `out`, the tokens."""
         paged = getattr(cache, "paged", None)
         for _ in range(steps):
+            if out is not None:
+                out.append(tok)
             before = (paged.seals if paged is not None else 0, decoder.recorded if decoder is not None else 0)
             if marks is not None:
                 marks.append([torch.cuda.Event(enable_timing=True), False])
@@ -142,13 +155,15 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
         return tok
 
     def timed(name, cache, tok, prefill_s: float, decoder=None):
-        """`warmup` untimed steps, then `new_tokens` timed ones: (the row, the last token)."""
+        """`warmup` untimed steps, then `new_tokens` timed ones: (the row, the last token); the
+        greedy tokens go to tokens[name]."""
         now["stage"] = "decode" if decoder is None else "decode from CUDA graphs"
-        tok = decode(cache, tok, warmup, decoder=decoder)
+        tokens[name] = []
+        tok = decode(cache, tok, warmup, decoder=decoder, out=tokens[name])
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         marks: list = []
-        tok = decode(cache, tok, new_tokens, marks, decoder)
+        tok = decode(cache, tok, new_tokens, marks, decoder, tokens[name])
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         row = E2ERow(name, context, prefill_s, (t2 - t1) / new_tokens * 1e3, torch.cuda.max_memory_allocated() / 2**30)
@@ -214,6 +229,9 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
             return
         from ..graphs import GraphDecoder
 
+        if GraphDecoder.unsupported(model, cache):  # (a split model: eager steps, GraphDecoder says why)
+            return
+
         now["row"] = f"{name} + CUDA graphs"
         with torch.inference_mode():
             decoder = GraphDecoder(model, cache)
@@ -259,6 +277,8 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
         if progress is not None:
             progress(row)
 
+    if device_map is not None:
+        return _split_rows(model, cfgs, run, guarded, rows, tokens, context, chunk, layers)
     guarded(run, "DynamicCache + SDPA", lambda: DynamicCache(config=model.config))
     if compiled:
         try:
@@ -272,4 +292,47 @@ def bench_e2e(context: int = 131072, formats=("int4", "int8"), new_tokens: int =
     for r in rows:
         r.ratio_decode = rows[0].decode_ms_per_token / r.decode_ms_per_token
         r.ratio_prefill = r.prefill_s / rows[0].prefill_s
+    return rows
+
+
+def _split_rows(model, cfgs: dict, run, guarded, rows: list[E2ERow], tokens: dict, context: int, chunk: int, layers: int) -> list[E2ERow]:
+    """bench_e2e's device_map="auto" rows: each format on one card, then on the model split
+    over the visible GPUs (see bench_e2e)."""
+    from accelerate import dispatch_model
+
+    from ..integrations.transformers import LongCtxCache
+    from ..models import split_device_map
+    from ..plan import shape_from_config, split_layers
+
+    for cfg in cfgs.values():
+        guarded(run, f"LongCtxCache {cfg.describe()}", lambda cfg=cfg: LongCtxCache(model, cfg))
+    n = torch.cuda.device_count()
+    cards = [torch.cuda.get_device_properties(i).total_memory for i in range(n)]
+    shape = shape_from_config(model.config.to_dict())
+    first = next(iter(cfgs.values()))
+    best, counts = split_layers(shape, first, cards, weights_bits=16, chunk=chunk, tokens=context)
+    if not counts:  # (the context does not fit the cards by plan's count: split the layers evenly)
+        counts = [layers // n + (i < layers % n) for i in range(n)]
+    dispatch_model(model, device_map=split_device_map(model, counts))
+    split = " / ".join(map(str, counts))
+    for cfg in cfgs.values():
+        name = f"LongCtxCache {cfg.describe()}"
+        for d in range(n):
+            torch.cuda.reset_peak_memory_stats(d)
+        guarded(run, f"{name} on {n} GPUs ({split} layers)", lambda cfg=cfg: LongCtxCache(model, cfg))
+        row = rows[-1]
+        one = next((r for r in rows if r.name == name), None)
+        if row.note or one is None or one.note:
+            continue
+        peaks = [torch.cuda.max_memory_allocated(d) / 2**30 for d in range(n)]
+        row.peak_gib = max(peaks)
+        same = [int(a) for a in torch.cat(tokens[name]).flatten()] == [int(a) for a in torch.cat(tokens[row.name]).flatten()]
+        row.ratio_decode = one.decode_ms_per_token / row.decode_ms_per_token
+        row.ratio_prefill = row.prefill_s / one.prefill_s
+        row.note = (f"peaks {', '.join(f'cuda:{d} {p:.1f}' for d, p in enumerate(peaks))} GiB; greedy tokens "
+                    f"{'equal' if same else 'DIFFER from'} one card's; ratios against one card's eager row")
+    for r in rows:
+        if "GPUs (" not in r.name:
+            base = next(x for x in rows if x.name == r.name.removesuffix(" + CUDA graphs"))
+            r.ratio_decode = base.decode_ms_per_token / r.decode_ms_per_token
     return rows

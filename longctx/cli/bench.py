@@ -199,6 +199,7 @@ def e2e(
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="also time LongCtxCache's decode from CUDA graphs (a row each)"),
     compiled: bool = typer.Option(True, "--compiled/--no-compiled",
                                   help="also time StaticCache + torch.compile(mode='reduce-overhead'), the strongest stock decode (compiles ~1 min)"),
+    device_map: str = typer.Option(None, "--device-map", help="auto: LongCtxCache on one GPU against the model split over every visible GPU"),
     show_config: bool = print_config_option(),
 ) -> None:
     """End to end, random-initialized Llama-3-8B-shaped model: DynamicCache + SDPA vs LongCtxCache.
@@ -211,10 +212,17 @@ def e2e(
     full or the pools grow). "StaticCache + torch.compile" is transformers' static cache
     with the decode step compiled into CUDA graphs; "compile s" is its untimed warm-up.
 
+    With --device-map auto: each format on one GPU, then on the model split over every visible
+    GPU by decoder layers (as `longctx plan --gpus` splits it); the split rows' ratios are
+    against the one-GPU eager row, and their note gives each card's peak and whether the greedy
+    tokens equal the one-GPU run's. A split model decodes eagerly (no CUDA-graph row).
+
     Example: longctx bench e2e --context 128k --formats int4
     """
     from ..bench import bench_e2e
 
+    if device_map not in (None, "auto"):
+        raise ValueError(f"--device-map must be auto, got {device_map!r}")
     if show_config:
         return _print_bench_config(formats, shape_layers=layers, context=parse_sizes(context)[0])
     console = Console()
@@ -223,10 +231,12 @@ def e2e(
         figures = f"prefill {r.prefill_s:.1f} s, decode {r.decode_ms_per_token:.1f} ms/token" if not r.note else r.note
         console.print(f"  {r.name}: {figures}, peak {r.peak_gib:.1f} GiB", highlight=False, soft_wrap=True)
 
-    rows = bench_e2e(parse_sizes(context)[0], _names(formats), new_tokens, chunk, layers, graphs=graphs, compiled=compiled, progress=show)
+    rows = bench_e2e(parse_sizes(context)[0], _names(formats), new_tokens, chunk, layers, graphs=graphs, compiled=compiled, progress=show,
+                     device_map=device_map)
     notes = any(r.note for r in rows)  # a cache that ran out of GPU memory, and where
+    base = "one GPU's eager" if device_map else "Dynamic"
     show_table(f"End to end, Llama-3-8B shape, {layers} layers, bf16 weights, batch 1",
-               ("cache", "context", "prefill s", "decode ms/token", "decode tok/s", "peak GiB", "decode vs Dynamic", "prefill vs Dynamic",
+               ("cache", "context", "prefill s", "decode ms/token", "decode tok/s", "peak GiB", f"decode vs {base}", f"prefill vs {base}",
                 "sealing step +ms", "sealing adds", "compile s") + (("note",) if notes else ()),
                [(r.name, f"{r.context:,}", _fig(r.prefill_s, ".1f"), _fig(r.decode_ms_per_token, ".1f"), _fig(1e3 / r.decode_ms_per_token, ".1f"),
                  f"{r.peak_gib:.1f}", _fig(r.ratio_decode, ".2f", "x"), _fig(r.ratio_prefill, ".2f", "x"), _fig(r.seal_extra_ms, "+.2f"),

@@ -46,6 +46,8 @@ def chat(
     load_in_4bit: bool = typer.Option(False, "--load-in-4bit/--no-load-in-4bit", help="bitsandbytes 4-bit weights (CUDA)"),
     load_in_8bit: bool = typer.Option(False, "--load-in-8bit/--no-load-in-8bit", help="bitsandbytes 8-bit weights (CUDA)"),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
+    device_map: str = typer.Option(None, "--device-map", help="auto: split the model over the visible GPUs by decoder layers, "
+                                   "balanced for the KV cache (longctx plan --gpus); balanced or sequential: transformers' splits"),
     max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="most tokens an answer takes (default: the model's generation config, else 256)"),
     temperature: float = typer.Option(None, "--temperature", help="0 for greedy (default: the model's generation config, else greedy)"),
     top_p: float = typer.Option(None, "--top-p", help="nucleus sampling (default: the model's generation config, else 1)"),
@@ -67,6 +69,7 @@ def chat(
       longctx chat
       longctx chat --prompt "What is the capital of France?"
       longctx chat --model ./Llama-3.1-8B-Instruct --load-in-4bit --kv-bits 4 --file report.txt
+      longctx chat --model ./Llama-3.1-8B-Instruct --load-in-4bit --device-map auto --file book.txt
       longctx chat --file book.txt --save-kv book.kvc
       longctx chat --load-kv book.kvc
     """
@@ -80,6 +83,11 @@ def chat(
 
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if device_map is not None:
+        if device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+            raise ValueError(f"--device-map must be auto, balanced, balanced_low_0 or sequential, got {device_map!r}")
+        if device != "auto":
+            raise ValueError(f"--device-map {device_map} places the model on the GPUs itself; drop --device {device}")
     doc = read_text_file(file, "--file") if file is not None else None
     saved = None  # the --load-kv file's header, read before the model loads (a missing, foreign or damaged file is refused there)
     if load_kv is not None:
@@ -121,7 +129,8 @@ def chat(
     err = Console(stderr=True)
     out = Console(highlight=False)
     with err.status("loading model..."):
-        mdl, tok = load_model(model, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, device=None if device == "auto" else device)
+        mdl, tok = load_model(model, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, device=None if device == "auto" else device,
+                              device_map=device_map, kv=kv, chunk=chunk)
     sampling = SamplingConfig.for_model(mdl, **given)
     if saved is not None:  # the file's format, sized by --max-context and --host-mem as a new cache would be
         from ..persist import load_config
