@@ -146,3 +146,80 @@ def test_a_model_split_by_accelerate_hooks_generates_as_on_one_device(tmp_path):
         if model is plain:
             want = logits
     assert torch.equal(logits, want)
+
+
+def test_split_device_map_places_every_weight_once():
+    """The device_map that `load_model(device_map="auto")` hands accelerate: the layers in
+    order by card, the embeddings first, the head last (or first when tied), every parameter
+    under exactly one key."""
+    from longctx.models import split_device_map
+
+    for tied, counts in ((False, [3, 1]), (True, [2, 2]), (False, [1, 1, 2])):
+        model = tiny_llama(layers=L, tie_word_embeddings=tied)
+        dm = split_device_map(model, counts)
+        assert [dm[f"model.layers.{i}"] for i in range(L)] == [d for d, n in enumerate(counts) for _ in range(n)]
+        assert dm["model.embed_tokens"] == 0 and dm["model.norm"] == len(counts) - 1 and dm["model.rotary_emb"] == 0
+        assert dm["lm_head"] == (0 if tied else len(counts) - 1)
+        for name, _ in model.named_parameters():
+            assert sum(name == key or name.startswith(key + ".") for key in dm) == 1, name
+    with pytest.raises(ValueError, match="no list of 5 decoder layers"):
+        split_device_map(tiny_llama(layers=L), [3, 2])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device-map", "everywhere"], "--device-map must be auto, balanced, balanced_low_0 or sequential, got 'everywhere'"),
+    (["--device-map", "auto", "--device", "cpu"], "--device-map auto places the model on the GPUs itself; drop --device cpu"),
+])
+def test_chat_device_map_errors_are_one_line(args, message):
+    from typer.testing import CliRunner
+
+    from longctx.cli import app
+
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["chat", *args, "--prompt", "hi"])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_device_map_without_a_gpu_is_refused_before_loading():
+    from longctx.models import load_model
+
+    with pytest.raises(ValueError, match="splits a model over CUDA GPUs; none is visible here"):
+        load_model(device_map="auto")
+
+
+@pytest.mark.gpu
+def test_layers_on_the_gpu_and_the_cpu_give_the_one_device_logits():
+    """Two real devices on a one-GPU machine: layers 0-1 on cuda:0, 2-3 on the CPU (accelerate's
+    hooks move the hidden states), the head back on cuda:0. Each layer's pages, tails and sinks
+    live on its device, the kernels run where the layer does, and the logits over a prefill and
+    teacher-forced decode steps match the all-GPU model's; CUDA graphs are refused with the reason."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from longctx.graphs import GraphDecoder
+    from longctx.integrations.transformers import LongCtxCache, cache_kwargs
+
+    cfg = KVConfig(bits=4, block_size=16, backend="reference")
+    whole = tiny_llama(layers=L, head_dim=64, vocab=96, seed=2).cuda()
+    split = tiny_llama(layers=L, head_dim=64, vocab=96, seed=2).cuda()
+    places = ["cuda:0", "cuda:0", "cpu", "cpu"]
+    for layer, device in zip(split.model.layers, places):
+        layer.to(device)
+        add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device(device), io_same_device=False))
+    add_hook_to_module(split.model.norm, AlignDevicesHook(execution_device=torch.device("cuda:0"), io_same_device=False))
+    ids = torch.randint(1, 96, (2, 100), generator=torch.Generator().manual_seed(1)).cuda()
+    logits = []
+    for model in (whole, split):
+        cache = LongCtxCache(model, cfg)
+        out = []
+        with torch.no_grad():
+            out.append(model(input_ids=ids[:, :80], **cache_kwargs(model, cache)).logits)
+            for t in range(80, 100):
+                out.append(model(input_ids=ids[:, t : t + 1], **cache_kwargs(model, cache)).logits)
+        logits.append(torch.cat(out, 1))
+        if model is split:
+            paged = cache.paged
+            assert paged.devices == [torch.device("cuda", 0), torch.device("cpu")] and paged.seals > 0
+            assert all(t.device.type == places[l][:4] for l in range(L) for t in paged.pages[l].tensors().values())
+            assert "several devices" in GraphDecoder.unsupported(model, cache)
+        cache.detach()
+    torch.testing.assert_close(logits[1], logits[0], atol=2e-4, rtol=1e-4)

@@ -7,6 +7,7 @@
 #   BASE=.baseline bash tools/gpu_check.sh decode # the same bench from another tree's package first (carry it), then this one
 #   bash tools/gpu_check.sh prefill seal e2e plan # the other benches (plan: longctx plan against a measured peak in 24 GiB)
 #   bash tools/gpu_check.sh floor                 # the fastest plain read of a decode step's bytes (tools/read_floor.py)
+#   bash tools/gpu_check.sh split                 # bench e2e --device-map auto: one GPU against the model split over every GPU
 #   OFFLOAD_ARGS="--contexts 1024k" bash tools/gpu_check.sh offload   # bench offload (NF4: carry .whl, below)
 #   bash tools/gpu_check.sh disk                  # bench disk: a saved cache loaded against prefill (DISK_ARGS for options)
 #   FLASH_TAR=.flash/flash-attn-2.8.3.post2-sm90.tar.xz bash tools/gpu_check.sh flash   # with flash-attn (tools/pack_flash_attn.sh)
@@ -58,6 +59,7 @@ TAIL=24 stage prefill 200 python3 -m longctx bench prefill --contexts 32k,128k -
 TAIL=12 stage seal 90 python3 -m longctx bench seal --context 128k --formats int4,int8
 TAIL=14 stage e2e 420 python3 -m longctx bench e2e --context 128k --formats int4 --json "$OUT/e2e.json"
 TAIL=16 stage floor 420 python3 tools/read_floor.py
+TAIL=14 stage split 420 python3 -m longctx bench e2e --device-map auto --context "${SPLIT_CONTEXT:-32k}" --formats int4 --json "$OUT/split.json"
 TAIL=8 stage plan 400 python3 -m longctx bench plan --budget-gib 24 --json "$OUT/plan.json"
 TAIL=30 stage offload 560 python3 -m longctx bench offload ${OFFLOAD_ARGS:-} --json "$OUT/offload.json"
 TAIL=12 stage disk 560 python3 -m longctx bench disk ${DISK_ARGS:-} --json "$OUT/disk.json"
