@@ -95,6 +95,10 @@ class GraphDecoder:
         if not torch.cuda.is_available() or getattr(model, "device", torch.device("cpu")).type != "cuda":
             return "CUDA-graph decoding needs the model on a CUDA device"
         paged = cache.paged
+        if paged.layer_devices is not None and len(set(paged.layer_devices)) > 1:
+            return ("a model split over several devices decodes eagerly: accelerate's hooks move the hidden states from card to card "
+                    "inside the forward, and a CUDA graph records the stream of one device; a graph a card needs the forward cut "
+                    "at each hop, which longctx does not do yet")
         try:
             probe = torch.empty(0, device=model.device)
             backend = resolve_backend(cache.kv_config.backend, probe, paged.head_dim)
@@ -102,10 +106,6 @@ class GraphDecoder:
             return str(e)
         if backend != "triton":
             return f"CUDA-graph decoding needs the triton backend (the kernel reads the tail's length on the device), this cache runs {backend!r}"
-        if paged.layer_devices is not None and len(set(paged.layer_devices)) > 1:
-            return ("a model split over several devices decodes eagerly: accelerate's hooks move the hidden states from card to card "
-                    "inside the forward, and a CUDA graph records the stream of one device; a graph a card needs the forward cut "
-                    "at each hop, which longctx does not do yet")
         if paged.host is not None:
             return ("a cache with a host tier decodes eagerly: its steps copy the host pages across the link on a second stream, "
                     "ordered by events from step to step, which a replayed graph cannot follow; at the contexts a host tier serves "

@@ -49,7 +49,7 @@ DECODE=(-m longctx bench decode --graph --cases 4k:1,128k:1,512k:1,32k:8 --forma
 XDIST=(); python3 -c "import xdist" 2>/dev/null && [ "${WORKERS:-12}" != 1 ] && XDIST=(-n "${WORKERS:-12}")
 # shellcheck disable=SC2086
 KEXPR=(); [ -n "${TESTS_K:-}" ] && KEXPR=(-k "$TESTS_K")  # (a -k expression of several words: TESTS_K="host or graphs")
-TAIL=4 stage tests "${TESTS_LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider --durations=30 "${XDIST[@]}" "${KEXPR[@]}" ${TESTS:-tests/ops tests/test_cuda.py tests/test_transformers.py tests/test_offload.py}
+TAIL=4 stage tests "${TESTS_LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider --durations=30 "${XDIST[@]}" "${KEXPR[@]}" ${TESTS:-tests/ops tests/test_cuda.py tests/test_transformers.py tests/test_offload.py tests/test_devices.py}
 if [ -n "${BASE:-}" ] && want_stage decode; then  # the same bench from BASE's package (a tree carried as BASE/longctx) first
   STAGES+=(decode_base)
   PYTHONPATH=$PWD/$BASE TAIL=14 stage decode_base 280 python3 "${DECODE[@]}" --json "$OUT/decode_base.json"

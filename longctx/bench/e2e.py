@@ -310,29 +310,28 @@ def _split_rows(model, cfgs: dict, run, guarded, rows: list[E2ERow], tokens: dic
     cards = [torch.cuda.get_device_properties(i).total_memory for i in range(n)]
     shape = shape_from_config(model.config.to_dict())
     first = next(iter(cfgs.values()))
-    best, counts = split_layers(shape, first, cards, weights_bits=16, chunk=chunk, tokens=context)
-    if not counts:  # (the context does not fit the cards by plan's count: split the layers evenly)
+    _, counts = split_layers(shape, first, cards, weights_bits=16, chunk=chunk)  # (the longest context's split: balanced)
+    if not counts:  # (not a token fits the cards by plan's count: split the layers evenly)
         counts = [layers // n + (i < layers % n) for i in range(n)]
     dispatch_model(model, device_map=split_device_map(model, counts))
     split = " / ".join(map(str, counts))
     for cfg in cfgs.values():
         name = f"LongCtxCache {cfg.describe()}"
+        here = f"{name} on {n} GPU{'s' * (n > 1)} ({split} layers)"
         for d in range(n):
             torch.cuda.reset_peak_memory_stats(d)
-        guarded(run, f"{name} on {n} GPUs ({split} layers)", lambda cfg=cfg: LongCtxCache(model, cfg))
-        row = rows[-1]
+        guarded(run, here, lambda cfg=cfg: LongCtxCache(model, cfg))
         one = next((r for r in rows if r.name == name), None)
-        if row.note or one is None or one.note:
+        for r in rows:  # ratios against the one-card eager row of the format
+            if r.name.startswith(name) and one is not None and not one.note:
+                r.ratio_decode = one.decode_ms_per_token / r.decode_ms_per_token
+                r.ratio_prefill = r.prefill_s / one.prefill_s
+        row = next((r for r in rows if r.name == here), None)
+        if row is None or row.note or one is None or one.note:
             continue
         peaks = [torch.cuda.max_memory_allocated(d) / 2**30 for d in range(n)]
         row.peak_gib = max(peaks)
-        same = [int(a) for a in torch.cat(tokens[name]).flatten()] == [int(a) for a in torch.cat(tokens[row.name]).flatten()]
-        row.ratio_decode = one.decode_ms_per_token / row.decode_ms_per_token
-        row.ratio_prefill = row.prefill_s / one.prefill_s
+        same = torch.equal(torch.cat(tokens[name], 1).cpu(), torch.cat(tokens[here], 1).cpu())
         row.note = (f"peaks {', '.join(f'cuda:{d} {p:.1f}' for d, p in enumerate(peaks))} GiB; greedy tokens "
-                    f"{'equal' if same else 'DIFFER from'} one card's; ratios against one card's eager row")
-    for r in rows:
-        if "GPUs (" not in r.name:
-            base = next(x for x in rows if x.name == r.name.removesuffix(" + CUDA graphs"))
-            r.ratio_decode = base.decode_ms_per_token / r.decode_ms_per_token
+                    f"{'equal' if same else 'DIFFER from'} one card's")
     return rows
