@@ -223,3 +223,19 @@ def test_layers_on_the_gpu_and_the_cpu_give_the_one_device_logits():
             assert "several devices" in GraphDecoder.unsupported(model, cache)
         cache.detach()
     torch.testing.assert_close(logits[1], logits[0], atol=2e-4, rtol=1e-4)
+
+
+def test_plan_gpus_prints_the_split_and_each_cards_peak():
+    from typer.testing import CliRunner
+
+    from longctx.cli import app
+    from longctx.plan import model_shape, plan
+
+    runner = CliRunner(env={"COLUMNS": "200"})
+    result = runner.invoke(app, ["plan", "--gpu", "rtx-3090", "--gpus", "2", "--weights-bits", "4", "--kv-bits", "4"])
+    want = plan(model_shape("llama-3.1-8b"), "rtx-3090", 24.0, weights_bits=4, kv_bits=(4,), gpus=2).rows[0]
+    assert result.exit_code == 0, result.output
+    assert "2 x rtx-3090 (24 GiB each)" in result.output and f"{want.max_tokens:,}" in result.output
+    assert " / ".join(map(str, want.layers_per_gpu)) in result.output and "Budget of each card" in result.output
+    bad = runner.invoke(app, ["plan", "--gpus", "0"])
+    assert bad.exit_code == 2 and "--gpus must be 1 or more, got 0" in bad.output

@@ -176,3 +176,51 @@ def test_a_format_the_model_cannot_use_is_reported_not_fatal():
     rows = {r.format: r for r in p.rows}
     assert "power-of-two head_dim" in rows["int2+rot"].unavailable and rows["int2+rot"].max_tokens == 0
     assert rows["int4"].max_tokens > rows["int8"].max_tokens > rows["bf16"].max_tokens > 0
+
+
+@pytest.mark.parametrize("model, weights_bits", [("llama-3.1-8b", 4), ("smollm2-135m", 16), ("qwen2.5-7b", 8)])
+def test_a_split_over_one_card_is_the_one_card_plan(model, weights_bits):
+    """split_layers' per-card arithmetic, on one card, gives plan's longest context exactly."""
+    from longctx.config import bits_format
+    from longctx.plan import split_layers
+
+    shape = model_shape(model)
+    for bits, fmt in ((16, bits_format(16)), (4, bits_format(4)), (2, bits_format(2)), (4, KVConfig(bits=4, layers_16bit=(0, 1)))):
+        one = plan(shape, "test", 24.0, weights_bits=weights_bits, kv_bits=(bits,)).rows[0].max_tokens
+        if fmt.layers_16bit:
+            one = plan_with(shape, fmt, weights_bits)
+        assert split_layers(shape, fmt, [24 * 2**30], weights_bits=weights_bits) == (one, [shape.layers]), (model, fmt.describe())
+
+
+def plan_with(shape, cfg, weights_bits):
+    """plan's one-card search for a config of no named format: weights, overhead and reserve, then
+    KV and activations within the rest."""
+    from longctx.plan import FRAGMENTATION, _largest
+
+    total = 24 * 2**30
+    for_kv = total - weight_bytes(shape, weights_bits) - RUNTIME_OVERHEAD - int(FRAGMENTATION * total)
+    return _largest(lambda t: kv_bytes(shape, cfg, t) + activation_bytes(shape, min(2048, max(t, 1)), t) <= for_kv)
+
+
+def test_two_cards_split_by_layers_and_hold_each_card_to_its_budget():
+    from longctx.config import bits_format
+    from longctx.plan import FRAGMENTATION, card_peaks, split_layers
+
+    shape = model_shape("llama-3.1-8b")
+    one, two = (plan(shape, "rtx-3090", 24.0, weights_bits=4, kv_bits=(4, 16), gpus=g) for g in (1, 2))
+    for a, b in zip(one.rows, two.rows):
+        assert a.layers_per_gpu == [] and sum(b.layers_per_gpu) == 32 and len(b.gpu_peak_bytes) == 2
+        assert b.max_tokens > 2 * a.max_tokens  # (each card holds half the layers' KV, and one end of the weights)
+        room = 24 * 2**30 - RUNTIME_OVERHEAD - int(FRAGMENTATION * 24 * 2**30)
+        assert all(peak <= room for peak in b.gpu_peak_bytes) and max(b.gpu_peak_bytes) > 0.99 * room
+    cfg = bits_format(4)
+    best = two.rows[0].max_tokens
+    assert split_layers(shape, cfg, [24 * 2**30] * 2, weights_bits=4, tokens=best + 64) == (0, [])  # the longest: a block more does not fit
+    assert card_peaks(shape, cfg, two.rows[0].layers_per_gpu, best, 4) == two.rows[0].gpu_peak_bytes
+    # an uneven pair: the smaller card takes fewer layers
+    tokens, counts = split_layers(shape, cfg, [24 * 2**30, 12 * 2**30], weights_bits=4)
+    assert counts[0] > counts[1] and sum(counts) == 32 and one.rows[0].max_tokens < tokens < best
+    with pytest.raises(ValueError, match="has 30 decoder layers, and a card takes whole layers"):
+        plan(SMOL, "test", 4.0, gpus=31)
+    with_host = plan(shape, "rtx-3090", 24.0, weights_bits=4, kv_bits=(4,), gpus=2, host_gib=64)
+    assert with_host.rows[0].max_tokens_offload > 3 * best and with_host.rows[0].offload_max_blocks > 0

@@ -153,12 +153,13 @@ def check_supported(model_config) -> None:
 def layer_devices(model) -> list[torch.device]:
     """The device each decoder layer's attention runs on: where accelerate's hooks execute it
     (a model loaded with a device_map; its weights may sit elsewhere, offloaded), else where its
-    weights are. The layers are the modules that carry a `layer_idx` and project keys (k_proj)."""
+    weights are. The layers are the attention modules (a class named ...Attention) that carry
+    a `layer_idx`; a model without them is taken to be on `model.device`."""
     found: dict[int, torch.device] = {}
     modules = dict(model.named_modules())
     for name, module in modules.items():
         idx = getattr(module, "layer_idx", None)
-        if not isinstance(idx, int) or not hasattr(module, "k_proj") or idx in found:
+        if not isinstance(idx, int) or not type(module).__name__.endswith("Attention") or idx in found:
             continue
         device = None
         parts = name.split(".")
