@@ -239,3 +239,14 @@ def test_plan_gpus_prints_the_split_and_each_cards_peak():
     assert " / ".join(map(str, want.layers_per_gpu)) in result.output and "Budget of each card" in result.output
     bad = runner.invoke(app, ["plan", "--gpus", "0"])
     assert bad.exit_code == 2 and "--gpus must be 1 or more, got 0" in bad.output
+
+
+def test_bench_plan_on_more_gpus_than_the_machine_has_is_refused_in_one_line():
+    from typer.testing import CliRunner
+
+    from longctx.cli import app
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["bench", "plan", "--gpus", str(have + 1), "--weights-bits", "4"])
+    want = f"needs {have + 1} CUDA GPUs; this machine has {have}" if have else "bench plan needs a CUDA GPU; this machine has none"
+    assert result.exit_code == 2 and want in result.output, result.output

@@ -254,18 +254,22 @@ def plan_check(
     chunk: int = typer.Option(2048, help="prefill chunk (tokens), as plan assumes"),
     decode: int = typer.Option(8, help="tokens decoded after the prompt"),
     max_tokens: int = typer.Option(None, help="prefill at most this many tokens (a shorter run; plan's prediction follows)"),
+    gpus: int = typer.Option(1, "--gpus", help="split the model over this many GPUs by plan's layers a card, each capped at the budget"),
     as_json: Path = typer.Option(None, "--json", help="also write the row as JSON to this file"),
     show_config: bool = print_config_option(),
 ) -> None:
     """`longctx plan` against a measured peak on this GPU: the context plan says fits the budget,
     prefilled and decoded through a random model of the catalog model's shape, the process
-    capped at the budget; plan's weights + KV + activations beside the allocator's peak.
+    capped at the budget; plan's weights + KV + activations beside the allocator's peak. With
+    --gpus N, the model split over N cards as `plan --gpus N` splits it, each card's peak beside
+    its prediction.
 
     Example: longctx bench plan --weights-bits 4 --budget-gib 24
+             longctx bench plan --weights-bits 4 --budget-gib 24 --gpus 2
     """
     from ..bench.plan import bench_plan, check_plan_options
 
-    check_plan_options(kv_format, weights_bits, budget_gib, chunk, decode, max_tokens)
+    check_plan_options(kv_format, weights_bits, budget_gib, chunk, decode, max_tokens, gpus)
     if show_config:
         return print_config()
     from rich.progress import Progress
@@ -273,11 +277,15 @@ def plan_check(
     with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("prefill", total=None)
         r = bench_plan(model, kv_format, weights_bits, budget_gib, chunk, decode, max_tokens,
-                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+                       progress=lambda done, total: bar.update(task, completed=done, total=total), gpus=gpus)
     show_table(f"plan against the measured peak: {r.model}, {r.weights_bits}-bit weights, {r.format} KV, {r.budget_gib:.1f} GiB",
                ("tokens", "planned tokens", "predicted GiB", "peak GiB", "peak / predicted", "weights GiB (plan / measured)", "seconds", "note"),
                [(f"{r.tokens:,}", f"{r.planned_tokens:,}", f"{r.predicted_gib:.2f}", f"{r.peak_gib:.2f}", f"{r.peak_over_predicted:.3f}",
                  f"{r.weights_predicted_gib:.2f} / {r.weights_measured_gib:.2f}", f"{r.seconds:.0f}", r.note or "fits")], left=("note",))
+    if r.gpus > 1:
+        show_table(f"each card ({r.budget_gib:.1f} GiB)", ("card", "layers", "predicted GiB", "peak GiB", "peak / predicted"),
+                   [(f"cuda:{d}", str(n), f"{p:.2f}", f"{m:.2f}", f"{m / p:.3f}")
+                    for d, (n, p, m) in enumerate(zip(r.layers_per_gpu, r.predicted_by_gpu_gib, r.peak_by_gpu_gib))])
     _write_json(as_json, [r])
 
 
