@@ -8,6 +8,7 @@
 #   bash tools/gpu_check.sh prefill seal e2e plan # the other benches (plan: longctx plan against a measured peak in 24 GiB)
 #   bash tools/gpu_check.sh floor                 # the fastest plain read of a decode step's bytes (tools/read_floor.py)
 #   bash tools/gpu_check.sh split                 # bench e2e --device-map auto: one GPU against the model split over every GPU
+#   PLAN_ARGS="--gpus 2 --weights-bits 4" bash tools/gpu_check.sh plan   # (two GPUs) each card's peak against plan --gpus 2
 #   OFFLOAD_ARGS="--contexts 1024k" bash tools/gpu_check.sh offload   # bench offload (NF4: carry .whl, below)
 #   bash tools/gpu_check.sh disk                  # bench disk: a saved cache loaded against prefill (DISK_ARGS for options)
 #   FLASH_TAR=.flash/flash-attn-2.8.3.post2-sm90.tar.xz bash tools/gpu_check.sh flash   # with flash-attn (tools/pack_flash_attn.sh)
@@ -60,7 +61,7 @@ TAIL=12 stage seal 90 python3 -m longctx bench seal --context 128k --formats int
 TAIL=14 stage e2e 420 python3 -m longctx bench e2e --context 128k --formats int4 --json "$OUT/e2e.json"
 TAIL=16 stage floor 420 python3 tools/read_floor.py
 TAIL=14 stage split 420 python3 -m longctx bench e2e --device-map auto --context "${SPLIT_CONTEXT:-32k}" --formats int4 --json "$OUT/split.json"
-TAIL=8 stage plan 400 python3 -m longctx bench plan --budget-gib 24 --json "$OUT/plan.json"
+TAIL=14 stage plan 400 python3 -m longctx bench plan --budget-gib 24 ${PLAN_ARGS:-} --json "$OUT/plan.json"
 TAIL=30 stage offload 560 python3 -m longctx bench offload ${OFFLOAD_ARGS:-} --json "$OUT/offload.json"
 TAIL=12 stage disk 560 python3 -m longctx bench disk ${DISK_ARGS:-} --json "$OUT/disk.json"
 TAIL=8 stage flash 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/ops/test_paged_attention.py tests/test_cli.py -k "flash or bench_decode or info"
