@@ -390,6 +390,25 @@ TestHostTierMachine = HostTierMachine.TestCase
 TestHostTierMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 
 
+class SplitMachine(HostTierMachine):
+    """The same with its two layers on two placements (cpu:0 and cpu:1: a model split over two
+    devices, tests/test_devices.py), each with its own tails, sinks and table copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = PagedKVCache(self.cache.config, num_layers=2, num_kv_heads=1, head_dim=16, devices=["cpu:0", "cpu:1"])
+
+    @invariant()
+    def table_copies_agree(self):
+        if self.rows and self.cache.initialized:
+            a, b = (self.cache.block_table(torch.device("cpu", i)) for i in (0, 1))
+            assert a is not b and torch.equal(a, b) and len(self.cache.segments) == 2
+
+
+TestSplitMachine = SplitMachine.TestCase
+TestSplitMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
 def test_graph_table_takes_seals_in_place_until_full(monkeypatch):
     """The table recorded steps read (`graph_table`): block_table()'s columns and room after
     them, the count on the device; seals write their columns into it in place while it has
