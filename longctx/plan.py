@@ -235,8 +235,8 @@ def split_layers(shape: ModelShape, cfg: KVConfig, cards: list[int], *, weights_
     final norm and LM head on the last, each layer's weights and pages on its card. For a
     context, each card in turn takes as many layers as fit beside its fixed share (runtime
     overhead, reserve, one chunk's activations, its end of the weights); the context fits when
-    the cards take every layer. With `tokens`, the split for that context (the last card
-    takes what is left); (0, []) where it does not fit."""
+    the cards take every layer. With `tokens`, the split at that context (the first cards
+    filled first); (0, []) where it does not fit."""
     cfg = cfg.resolve(shape.layers, shape.head_dim)
     layer_w, embed, head = weight_parts(shape, weights_bits)
     last = len(cards) - 1
