@@ -152,7 +152,7 @@ def test_every_command_prints_its_config_as_yaml_without_loading_a_model(monkeyp
 
     chat, kv = printed("chat", "--kv-bits", "2", "--rotate", "--max-context", "1000", "--temperature", "0")
     assert list(chat) == ["model", "kv_bits", "k_bits", "v_bits", "rotate", "block_size", "load_in_4bit", "load_in_8bit", "device",
-                          "max_new_tokens", "temperature", "top_p", "seed", "system", "file", "prompt", "max_context", "chunk", "host_mem", "graphs",
+                          "device_map", "max_new_tokens", "temperature", "top_p", "seed", "system", "file", "prompt", "max_context", "chunk", "host_mem", "graphs",
                           "save_kv", "load_kv"]
     assert (chat["kv_bits"], chat["rotate"], chat["max_context"], chat["temperature"], chat["model"]) == (2, True, 1000, 0.0, None)
     assert KVConfig(**kv["kv"]) == KVConfig(bits=2, rotate=True, k_span=16, max_blocks=16)  # kv.yaml's int2+rot
