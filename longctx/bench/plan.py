@@ -128,7 +128,9 @@ def bench_plan(model: str = "llama-3.1-8b", fmt: str = "int4", weights_bits: int
     if row.unavailable or row.max_tokens == 0:
         raise ValueError(f"bench plan: {fmt} does not fit {model} in {gpus} x {budget:.1f} GiB ({row.unavailable or 'not even one token'})")
     tokens = min(row.max_tokens, max_tokens or row.max_tokens)
-    cfg = bits_format(bits, max_blocks=row.max_blocks)
+    fmt = bits_format(bits, block_size=64)  # (plan's, as `plan` above builds it)
+    sealed = tokens // fmt.block_size  # the pools sized for `tokens` (allocated at once: what plan counts), not plan's longest
+    cfg = bits_format(bits, block_size=64, max_blocks=max(1, sealed - min(fmt.sink_blocks, sealed)))
     if weights_bits == 4:
         import bitsandbytes  # noqa: F401  (refused in one line before a model is built where it is missing)
     counts = row.layers_per_gpu
