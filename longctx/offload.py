@@ -32,6 +32,7 @@ import torch
 
 from .ops.paged_attention import paged_attention
 from .ops.pages import Pages, PagedView
+from .quant import layer_page_bytes
 
 RING = 2  # staging pools: one being filled while the kernel reads the other
 ALIGN = 4096  # bytes: each host pool starts on a page of the one pinned buffer
@@ -95,7 +96,7 @@ def offload_config(cfg, model, host_bytes: int, chunk: int):
         raise ValueError(f"a host tier holds pages off a CUDA GPU's memory; this model runs on {', '.join(sorted({str(d) for d in devices}))}")
     layers, kv_heads, head_dim = decoder_shape(model.config)
     cfg = cfg.resolve(layers, head_dim)
-    sizes = [sum(cfg.block_format(l, head_dim, kv_heads, torch.float16).block_bytes().values()) for l in range(layers)]
+    sizes = layer_page_bytes(cfg, layers, kv_heads, head_dim, torch.float16)
     device_blocks = None
     for device in dict.fromkeys(devices):
         mine = [n for n, d in zip(sizes, devices) if d == device]

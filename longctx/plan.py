@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .config import KVConfig, bits_format
 from .errors import LongCtxError, ModelNotFoundError
+from .quant import layer_page_bytes
 
 GIB = 1 << 30
 RUNTIME_OVERHEAD = 768 << 20  # CUDA context, cuBLAS/cuDNN workspaces, allocator bookkeeping
@@ -195,8 +196,7 @@ def kv_bytes(shape: ModelShape, cfg: KVConfig, tokens: int, rows: int = 1, elem_
 @functools.lru_cache(maxsize=64)
 def _layer_block_bytes(shape: ModelShape, cfg: KVConfig, elem_bytes: int) -> tuple[int, ...]:
     """Each layer's bytes of one sealed block (plan's searches ask for them many times)."""
-    dtype = _dtype(elem_bytes)
-    return tuple(sum(cfg.block_format(l, shape.head_dim, shape.kv_heads, dtype).block_bytes().values()) for l in range(shape.layers))
+    return tuple(layer_page_bytes(cfg, shape.layers, shape.kv_heads, shape.head_dim, _dtype(elem_bytes)))
 
 
 def _sealed_block_bytes(shape: ModelShape, cfg: KVConfig, elem_bytes: int) -> int:

@@ -83,11 +83,17 @@ class BlockFormat:
         return out
 
 
+def layer_page_bytes(cfg, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[int]:
+    """Each of the `layers` layers' bytes of one sealed page in the formats of `cfg`, a resolved
+    KVConfig."""
+    return [sum(cfg.block_format(l, head_dim, kv_heads, dtype).block_bytes().values()) for l in range(layers)]
+
+
 @functools.lru_cache(maxsize=16)
 def page_bytes(cfg, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
     """(one block id's bytes over all `layers`, the largest layer's) in the formats of `cfg`, a
     resolved KVConfig: what a sealed page costs in each tier, and per layer in a staging slice."""
-    sizes = [sum(cfg.block_format(l, head_dim, kv_heads, dtype).block_bytes().values()) for l in range(layers)]
+    sizes = layer_page_bytes(cfg, layers, kv_heads, head_dim, dtype)
     return sum(sizes), max(sizes)
 
 
