@@ -187,7 +187,7 @@ def kv_bytes(shape: ModelShape, cfg: KVConfig, tokens: int, rows: int = 1, elem_
     n = tokens // P
     sinks = min(cfg.sink_blocks, n)
     sizes = _layer_block_bytes(shape, cfg, elem_bytes)
-    per_block = sum(sizes[l] for l in layers) if len(layers) != shape.layers else sum(sizes)
+    per_block = sum(sizes[l] for l in layers)
     dense_block = L * 2 * H * P * D * elem_bytes
     tail = (tokens - n * P) * L * 2 * H * D * elem_bytes
     return rows * (sinks * dense_block + (n - sinks) * per_block + tail)
@@ -249,8 +249,11 @@ def split_layers(shape: ModelShape, cfg: KVConfig, cards: list[int], *, weights_
             if room < 0:
                 return None
             n = 0
-            while at + n < shape.layers and room >= layer_w + kv_bytes(shape, cfg, t, batch, layers=range(at + n, at + n + 1)):
-                room -= layer_w + kv_bytes(shape, cfg, t, batch, layers=range(at + n, at + n + 1))
+            while at + n < shape.layers:
+                cost = layer_w + kv_bytes(shape, cfg, t, batch, layers=range(at + n, at + n + 1))
+                if room < cost:
+                    break
+                room -= cost
                 n += 1
             counts.append(n)
             at += n
