@@ -128,15 +128,15 @@ def chat(
         check_host_budget(host_bytes, "--host-mem")
     err = Console(stderr=True)
     out = Console(highlight=False)
-    with err.status("loading model..."):
-        mdl, tok = load_model(model, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, device=None if device == "auto" else device,
-                              device_map=device_map, kv=kv, chunk=chunk)
-    sampling = SamplingConfig.for_model(mdl, **given)
     if saved is not None:  # the file's format, sized by --max-context and --host-mem as a new cache would be
         from ..persist import load_config
 
         fmt = load_config(saved, None)
         kv = dataclasses.replace(fmt, max_blocks=-(-max_context // fmt.block_size) if max_context else None)
+    with err.status("loading model..."):  # (--device-map auto splits the layers for kv's format)
+        mdl, tok = load_model(model, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, device=None if device == "auto" else device,
+                              device_map=device_map, kv=kv, chunk=chunk)
+    sampling = SamplingConfig.for_model(mdl, **given)
     if host_bytes:
         from ..offload import offload_config
 
